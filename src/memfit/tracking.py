@@ -1,0 +1,136 @@
+"""Tracking: memfit's one owner of the MLflow run lifecycle (start, params, batched metrics, artifacts, end).
+
+Nothing else in memfit calls mlflow. Metrics are logged asynchronously in batches so per-step logging
+does not stall training; `finish` flushes them and always ends the run FINISHED or FAILED with a reason,
+never leaving it RUNNING.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+_CREDENTIALS = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^:/@\s]+):(?P<secret>[^@/\s]+)@")
+
+
+def mask_credentials(text: str) -> str:
+    """postgresql://user:secret@host → postgresql://user:***@host."""
+    return _CREDENTIALS.sub(lambda m: f"{m['scheme']}{m['user']}:***@", text)
+
+
+def default_tracking_uri(output_dir: str) -> str:
+    """MLflow's own default backend, sqlite, in a file under outputs/."""
+    return f"sqlite:///{(Path(output_dir).resolve() / 'mlflow.db')}"
+
+
+def flatten(cfg: DictConfig) -> dict[str, str]:
+    """The resolved config as dotted keys → strings, credentials masked."""
+    flat: dict[str, str] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                walk(value, f"{prefix}{key}.")
+        else:
+            flat[prefix[:-1]] = mask_credentials(str(node))
+
+    walk(OmegaConf.to_container(cfg, resolve=True), "")
+    return flat
+
+
+class NullTracker:
+    """tracking=none: the same calls, recorded nowhere."""
+
+    run_id: str | None = None
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        pass
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        pass
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        pass
+
+    def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
+        pass
+
+    def finish(self, status: str = "FINISHED", reason: str | None = None) -> None:
+        pass
+
+
+class MlflowTracker:
+    """One MLflow run, held through MlflowClient so that several runs never share global state."""
+
+    def __init__(self, uri: str, experiment: str, run_name: str, tags: dict[str, str]):
+        import mlflow
+        from mlflow.tracking import MlflowClient
+
+        self._mlflow = mlflow
+        self.client = MlflowClient(tracking_uri=uri)
+        self.uri = uri
+        found = self.client.get_experiment_by_name(experiment)
+        experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
+        run = self.client.create_run(experiment_id, run_name=run_name, tags=tags)
+        self.run_id = run.info.run_id
+        self._pending: list[Any] = []
+        log.info("MLflow run %s (%s) in %s", run_name, self.run_id, mask_credentials(uri))
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(k, str(v)[:6000]) for k, v in params.items()]
+        for start in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
+            self.client.log_batch(self.run_id, params=items[start : start + 100])
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        """Queued and written in the background: a training step never waits on the store."""
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(v), now, step or 0) for k, v in metrics.items()]
+        self._pending.append(self.client.log_batch(self.run_id, metrics=batch, synchronous=False))
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        for key, value in tags.items():
+            self.client.set_tag(self.run_id, key, mask_credentials(str(value))[:5000])
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        self.client.log_text(self.run_id, mask_credentials(text), artifact_file)
+
+    def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
+        self.client.log_artifact(self.run_id, path, artifact_path)
+
+    def flush(self) -> None:
+        for pending in self._pending:
+            if pending is not None:
+                pending.wait()
+        self._pending.clear()
+
+    def finish(self, status: str = "FINISHED", reason: str | None = None) -> None:
+        try:
+            self.flush()
+        finally:
+            if reason:
+                self.client.set_tag(self.run_id, "memfit.reason", mask_credentials(reason)[:5000])
+            self.client.set_terminated(self.run_id, status=status)
+
+
+def start_tracking(cfg: DictConfig, run_name: str, tags: dict[str, str]) -> MlflowTracker | NullTracker:
+    if cfg.tracking.backend == "none":
+        return NullTracker()
+    uri = cfg.tracking.uri or default_tracking_uri(cfg.output_dir)
+    if uri.startswith("sqlite:///"):
+        Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    return MlflowTracker(uri, cfg.tracking.experiment, run_name, tags)

@@ -1,0 +1,70 @@
+"""Shared fixtures: compose memfit configs with Hydra's compose API, small data files, fast tiny settings."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+from memfit.config import register_configs
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+
+# Small, fast settings for real Trainer steps on CPU.
+FAST = [
+    "trainer.max_steps=3",
+    "trainer.batch_size=2",
+    "trainer.gradient_accumulation_steps=1",
+    "trainer.device=cpu",
+    "memory.max_source_length=64",
+    "memory.max_label_length=32",
+    "memory.precision=fp32",
+    "data.max_train_samples=24",
+    "data.max_eval_samples=4",
+]
+
+
+@pytest.fixture(autouse=True)
+def _quiet_environment(monkeypatch):
+    monkeypatch.setenv("CI", "1")  # no tqdm bars in test logs
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture
+def compose_cfg(tmp_path):
+    """compose_cfg(*overrides) → the composed train config, outputs under tmp_path."""
+    register_configs()
+
+    def _compose(*overrides: str):
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            return compose("train", overrides=[f"output_dir={tmp_path / 'outputs'}", *overrides])
+
+    yield _compose
+    GlobalHydra.instance().clear()
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def long_tail_jsonl(tmp_path) -> Path:
+    """40 short pairs and 2 with very long labels: the rare sample that breaks a typical-batch probe."""
+    rows = [{"source": f"paper {i} " + "word " * (20 + i % 7), "target": "short summary " * 3} for i in range(40)]
+    rows[7]["target"] = "long label " * 150
+    rows[23]["target"] = "very long label " * 100
+    return write_jsonl(tmp_path / "long_tail.jsonl", rows)
+
+
+def train_py_env() -> dict[str, str]:
+    env = dict(os.environ, CI="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env.pop("HYDRA_FULL_ERROR", None)
+    return env

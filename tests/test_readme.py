@@ -1,0 +1,114 @@
+"""The README's commands, run as a user runs them (outputs redirected to a temporary directory)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from memfit.tracking import default_tracking_uri
+
+from .conftest import ROOT, train_py_env
+
+pytestmark = pytest.mark.slow
+README = (ROOT / "README.md").read_text()
+
+
+def readme_command(prefix: str) -> list[str]:
+    """The README's shell command starting with `prefix`, continuation lines joined."""
+    text = README.replace("\\\n", " ")
+    for line in text.splitlines():
+        if line.strip().startswith(prefix):
+            return shlex.split(line.strip())
+    raise AssertionError(f"README has no command starting with {prefix!r}")
+
+
+def run_train(argv: list[str], tmp_path, cwd=ROOT) -> subprocess.CompletedProcess:
+    assert argv[:2] == ["python", "train.py"]
+    cmd = [sys.executable, str(ROOT / "train.py"), *argv[2:], f"output_dir={tmp_path}"]
+    out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=train_py_env(), timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def finished_runs(output_dir) -> list:
+    client = MlflowClient(default_tracking_uri(str(output_dir)))
+    runs = client.search_runs([client.get_experiment_by_name("memfit").experiment_id])
+    assert runs and all(r.info.status == "FINISHED" for r in runs)
+    return runs
+
+
+def test_tiny_causal_example(tmp_path):
+    run_train(readme_command("python train.py model=tiny_causal"), tmp_path)
+    assert finished_runs(tmp_path)[0].data.tags["memfit.memory"] == "tight"
+
+
+def test_qwen_lora_on_own_jsonl_example(tmp_path):
+    rows = [{"prompt": f"Question {i}: what is " + "word " * 20, "response": "An answer " * 10} for i in range(30)]
+    (tmp_path / "my.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_train(readme_command("python train.py model=qwen2_5_0_5b"), tmp_path, cwd=tmp_path)
+    run = finished_runs(tmp_path)[0]
+    assert run.data.params["memfit.random_weights"] == "True"
+    assert int(run.data.params["memfit.trainable_params"]) < int(run.data.params["memfit.total_params"]) / 50
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_compare_policies_then_open_the_mlflow_ui(tmp_path):
+    run_train(readme_command("python train.py -m memory=off,balanced,tight"), tmp_path)
+    runs = finished_runs(tmp_path)
+    assert sorted(r.data.tags["memfit.memory"] for r in runs) == ["balanced", "off", "tight"]
+    ui = readme_command("mlflow ui")
+    port = str(_free_port())
+    ui[ui.index("--port") + 1] = port
+    ui[ui.index("--backend-store-uri") + 1] = default_tracking_uri(str(tmp_path))
+    assert ui[ui.index("--host") + 1] == "127.0.0.1"
+    server = subprocess.Popen(
+        ui, cwd=tmp_path, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                    assert response.read().decode().strip() == "OK"
+                    break
+            except OSError:
+                assert time.time() < deadline, "mlflow ui did not answer /health within 60 s"
+                time.sleep(1)
+        query = json.dumps({"experiment_ids": [runs[0].info.experiment_id]}).encode()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/api/2.0/mlflow/runs/search",
+            data=query,
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:
+            served = json.loads(response.read())["runs"]
+        assert len(served) == 3
+        keys = {m["key"] for m in served[0]["data"]["metrics"]}
+        assert {"summary/peak_allocated_gib", "train/loss"} <= keys
+    finally:
+        import os
+
+        os.killpg(server.pid, signal.SIGTERM)  # mlflow leaves worker processes behind otherwise
+        server.wait(timeout=30)
+
+
+def test_readme_test_command_matches_ci():
+    ci = (ROOT / ".ci" / "run").read_text()
+    command = re.search(r"^pip install torch==2\.13\.0 -e \"\.\[test\]\" && pytest$", README, re.M)
+    assert command and command.group(0) in ci
+    assert "pip install torch==2.13.0 -e . && python train.py" in README and "&& python train.py\n" in ci

@@ -1,0 +1,96 @@
+"""Real Trainer steps on tiny models, recorded in a temporary sqlite MLflow store."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from memfit.run import run
+from memfit.tracking import default_tracking_uri
+
+from .conftest import FAST, ROOT, train_py_env
+
+pytestmark = pytest.mark.slow
+
+
+def _runs(output_dir):
+    client = MlflowClient(default_tracking_uri(str(output_dir)))
+    experiment = client.get_experiment_by_name("memfit")
+    return client, client.search_runs([experiment.experiment_id])
+
+
+@pytest.mark.parametrize("model", ["tiny_seq2seq", "tiny_causal"])
+def test_tiny_run_records_loss_beside_peak_memory(compose_cfg, tmp_path, model):
+    cfg = compose_cfg(f"model={model}", *FAST)
+    report = run(cfg)
+    assert report.status == "ok" and report.steps == 3
+    client, runs = _runs(cfg.output_dir)
+    assert len(runs) == 1
+    recorded = runs[0]
+    assert recorded.info.status == "FINISHED"
+    for metric in ("train/loss", "mem/peak_allocated_gib", "mem/peak_reserved_gib", "train/tokens_per_s"):
+        history = client.get_metric_history(recorded.info.run_id, metric)
+        assert [m.step for m in history] == [1, 2, 3], metric
+        assert all(m.value > 0 for m in history), metric
+    summary = recorded.data.metrics
+    assert summary["summary/peak_allocated_gib"] >= max(
+        m.value for m in client.get_metric_history(recorded.info.run_id, "mem/peak_allocated_gib")
+    )
+    assert summary["summary/train_tokens"] > 0 and "eval/loss" in summary
+    assert recorded.data.params["memory.name"] == "balanced"
+    assert recorded.data.params["trainer.batch_size"] == "2"
+    assert recorded.data.tags["memfit.model"] == model
+    assert recorded.data.tags["memfit.meter"] == "host RSS (CPU)"
+    artifacts = [a.path for a in client.list_artifacts(recorded.info.run_id)]
+    assert "config.yaml" in artifacts
+
+
+def test_lora_trains_only_the_adapters(compose_cfg):
+    cfg = compose_cfg("model=tiny_causal", *FAST, "tracking=none")
+    from memfit.models import build_model, build_tokenizer
+
+    built = build_model(cfg, build_tokenizer(cfg.model), "cpu")
+    names = [n for n, p in built.model.named_parameters() if p.requires_grad]
+    assert names and all("lora_" in n for n in names)
+    assert built.trainable_params < built.total_params / 10
+
+
+def test_a_failing_run_ends_failed_with_its_reason(compose_cfg):
+    # 30 hidden units cannot split into 4 heads: the model build itself fails, after the run started.
+    cfg = compose_cfg(
+        "model=tiny_seq2seq", *FAST, "model.architecture.encoder_attention_heads=4", "model.architecture.d_model=30"
+    )
+    with pytest.raises(ValueError):
+        run(cfg)
+    _, runs = _runs(cfg.output_dir)
+    assert runs[0].info.status == "FAILED"
+    assert runs[0].data.tags["memfit.reason"].startswith("failed: ValueError")
+
+
+def test_multirun_over_two_policies_gives_two_comparable_runs(tmp_path):
+    out = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "-m",
+            "memory=off,tight",
+            "model=tiny_seq2seq",
+            *FAST,
+            "memory.max_source_length=64",
+            f"output_dir={tmp_path}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=train_py_env(),
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    _, runs = _runs(tmp_path)
+    assert sorted(r.data.tags["memfit.memory"] for r in runs) == ["off", "tight"]
+    assert all(r.info.status == "FINISHED" for r in runs)
+    assert all(r.data.metrics["summary/peak_allocated_gib"] > 0 for r in runs)
+    assert {r.data.params["memory.gradient_checkpointing"] for r in runs} == {"True", "False"}
