@@ -75,7 +75,7 @@ def instrumentation_overhead(overrides: list[str], steps: int, repeats: int, sto
     cfg = compose([*overrides, f"trainer.max_steps={steps}", "memory.eval_enabled=false"])
     apply_allocator_env(cfg.memory)
     tokenizer = build_tokenizer(cfg.model)
-    datasets = {k: model_columns(v) for k, v in load_and_tokenize(cfg, tokenizer).items()}
+    datasets = {k: model_columns(v) for k, v in load_and_tokenize(cfg, tokenizer).datasets.items()}
     model = build_model(cfg, tokenizer, device).model
     clock_cls = type("Clock", (StepClock, TrainerCallback), {})
     variants: dict[str, list[float]] = {"plain_trainer": [], "memfit_callback_only": [], "memfit": []}

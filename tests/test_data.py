@@ -9,6 +9,7 @@ from memfit.data import (
     CountingCollator,
     DataError,
     TokenizeSpec,
+    apply_overlength,
     load_and_tokenize,
     load_pairs,
     tokenize_split,
@@ -41,9 +42,11 @@ def test_drop_policy_removes_over_long_samples(tokenizer):
         {"source": "a b", "target": "x " * 50},
         {"source": "w " * 90, "target": "c"},
     ]
-    kept = tokenize_split(pairs, tokenizer, TokenizeSpec("seq2seq", 32, 16, "drop"))
+    spec = TokenizeSpec("seq2seq", 32, 16, "drop")
+    kept = apply_overlength(tokenize_split(pairs, tokenizer, spec), spec)
     assert len(kept) == 1
-    truncated = tokenize_split(pairs, tokenizer, TokenizeSpec("seq2seq", 32, 16, "truncate"))
+    spec = TokenizeSpec("seq2seq", 32, 16, "truncate")
+    truncated = apply_overlength(tokenize_split(pairs, tokenizer, spec), spec)
     assert len(truncated) == 3
     assert max(len(r["labels"]) for r in truncated) == 16
 
@@ -78,7 +81,7 @@ def test_aclsum_gives_real_pairs(compose_cfg):
 def test_jsonl_with_causal_text_column(compose_cfg, tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "t.jsonl", [{"text": f"sample {i} " * 5} for i in range(20)])
     cfg = compose_cfg("model=tiny_causal", "data=jsonl", f"data.path={path}", "data.text_column=text")
-    ds = load_and_tokenize(cfg, tokenizer)
+    ds = load_and_tokenize(cfg, tokenizer).datasets
     assert len(ds["train"]) == 18 and len(ds["validation"]) == 2
     assert all(label != LABEL_PAD for label in ds["train"][0]["labels"])  # no prompt: every token is a target
 

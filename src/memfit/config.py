@@ -125,6 +125,20 @@ class BudgetConfig:
 
 
 @dataclass
+class PreflightConfig:
+    enabled: bool = True
+    steps: int = 2
+    find_max_batch: bool = False
+    max_batch_limit: int = 512
+
+
+@dataclass
+class ForensicsConfig:
+    memory_history: bool = False
+    max_entries: int = 100_000
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = MISSING
     data: DataConfig = MISSING
@@ -132,6 +146,9 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     budget: BudgetConfig = field(default_factory=BudgetConfig)
+    preflight: PreflightConfig = field(default_factory=PreflightConfig)
+    forensics: ForensicsConfig = field(default_factory=ForensicsConfig)
+    preflight_only: bool = False
     output_dir: str = "outputs"
 
 
@@ -246,6 +263,14 @@ def _validate_budget(cfg: DictConfig, problems: list[str]) -> None:
         problems.append(f"budget.margin_gib={cfg.budget.margin_gib} must be >= 0: use e.g. 0.5")
 
 
+def _validate_preflight(cfg: DictConfig, problems: list[str]) -> None:
+    _positive(problems, "preflight.steps", cfg.preflight.steps, "use 2 (the second step holds optimizer state)")
+    _positive(problems, "preflight.max_batch_limit", cfg.preflight.max_batch_limit, "use e.g. 512")
+    if cfg.preflight_only and not cfg.preflight.enabled:
+        problems.append("preflight_only=true with preflight.enabled=false has nothing to do: enable the preflight")
+    _positive(problems, "forensics.max_entries", cfg.forensics.max_entries, "use e.g. 100000")
+
+
 def _validate_tracking(cfg: DictConfig, problems: list[str]) -> None:
     _choice(problems, "tracking.backend", cfg.tracking.backend, TRACKING_BACKENDS)
 
@@ -283,6 +308,7 @@ def validate(cfg: DictConfig, cuda_available: bool | None = None) -> None:
     _validate_memory(cfg, problems)
     _validate_trainer(cfg, problems)
     _validate_budget(cfg, problems)
+    _validate_preflight(cfg, problems)
     _validate_tracking(cfg, problems)
     problems.extend(check_data_source(cfg.data, cfg.model.task))
     needs_device_answer = (

@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from omegaconf import DictConfig
 
 from memfit.config import ACLSUM_SECTIONS, ACLSUM_TARGETS, DATA_FORMATS, effective_lengths
 
 if TYPE_CHECKING:
     from datasets import Dataset, DatasetDict
+
+    from memfit.audit import LengthAudit
 
 LABEL_PAD = -100  # positions the loss ignores
 
@@ -261,46 +265,91 @@ def _encode_causal(batch: dict[str, list[str]], tokenizer: Any, spec: TokenizeSp
     return out
 
 
+def _num_proc(rows: int) -> int | None:
+    """Worker processes for tokenization: only worth their start-up on large datasets."""
+    return min(os.cpu_count() or 1, 8) if rows >= 50_000 else None
+
+
 def tokenize_split(pairs: list[dict[str, str]], tokenizer: Any, spec: TokenizeSpec) -> Dataset:
-    """Tokenize in batches, keep the raw (untruncated) lengths for the audit, apply the over-length policy."""
+    """Tokenize in batches, truncating sources and labels; keep the raw lengths for the audit. Nothing dropped."""
     from datasets import Dataset
 
     encode = _encode_seq2seq if spec.task == "seq2seq" else _encode_causal
     ds = Dataset.from_list(pairs)
-    ds = ds.map(
-        lambda b: encode(b, tokenizer, spec), batched=True, batch_size=1000, remove_columns=["source", "target"]
+    return ds.map(
+        lambda b: encode(b, tokenizer, spec),
+        batched=True,
+        batch_size=1000,
+        remove_columns=["source", "target"],
+        num_proc=_num_proc(len(ds)),
     )
-    if spec.overlength == "drop":
-        ds = ds.filter(
-            lambda b: [
-                s <= spec.max_source_length and lab <= spec.max_label_length
-                for s, lab in zip(b["source_len_raw"], b["label_len_raw"], strict=True)
-            ],
-            batched=True,
-        )
-    return ds
 
 
-def load_and_tokenize(cfg: DictConfig, tokenizer: Any) -> DatasetDict:
-    """The run's train/validation datasets, tokenized under the memory policy's lengths."""
+def kept_mask(ds: Dataset, spec: TokenizeSpec) -> np.ndarray:
+    """Which samples the over-length policy keeps (all of them under `truncate`)."""
+    source, label = np.asarray(ds["source_len_raw"]), np.asarray(ds["label_len_raw"])
+    if spec.overlength != "drop":
+        return np.ones(len(source), dtype=bool)
+    return (source <= spec.max_source_length) & (label <= spec.max_label_length)
+
+
+def apply_overlength(ds: Dataset, spec: TokenizeSpec) -> Dataset:
+    mask = kept_mask(ds, spec)
+    return ds if mask.all() else ds.select(np.flatnonzero(mask))
+
+
+@dataclass
+class PreparedData:
+    """Tokenized splits after the over-length policy, and the length audit of the training split."""
+
+    datasets: DatasetDict
+    audit: LengthAudit
+    source_raw: np.ndarray
+    label_raw: np.ndarray
+
+
+def load_and_tokenize(cfg: DictConfig, tokenizer: Any) -> PreparedData:
+    """The run's train/validation datasets, tokenized under the memory policy's lengths, with their audit."""
     from datasets import DatasetDict
     from datasets.utils.logging import disable_progress_bar
+
+    from memfit.audit import audit_lengths
 
     disable_progress_bar()  # tokenization of a few thousand rows is instant; its bars only clutter the log
     pairs = load_pairs(cfg.data, cfg.model.task)
     max_source, max_label = effective_lengths(cfg)
     spec = TokenizeSpec(cfg.model.task, max_source, max_label, cfg.memory.overlength)
-    splits = {
-        "train": tokenize_split(_cap(pairs["train"], cfg.data.max_train_samples), tokenizer, spec),
-    }
+    train = tokenize_split(_cap(pairs["train"], cfg.data.max_train_samples), tokenizer, spec)
+    source_raw, label_raw = np.asarray(train["source_len_raw"]), np.asarray(train["label_len_raw"])
+    splits = {"train": apply_overlength(train, spec)}
+    eval_lengths = None
     if pairs["validation"]:
-        splits["validation"] = tokenize_split(_cap(pairs["validation"], cfg.data.max_eval_samples), tokenizer, spec)
+        validation = tokenize_split(_cap(pairs["validation"], cfg.data.max_eval_samples), tokenizer, spec)
+        splits["validation"] = apply_overlength(validation, spec)
+        if cfg.memory.eval_enabled and len(splits["validation"]):
+            eval_lengths = (
+                np.asarray(splits["validation"]["source_len_raw"]),
+                np.asarray(splits["validation"]["label_len_raw"]),
+            )
     if len(splits["train"]) == 0:
         raise DataError(
             "memory.overlength=drop dropped every training sample: raise memory.max_source_length/max_label_length"
             " or use memory.overlength=truncate"
         )
-    return DatasetDict(splits)
+    audit = audit_lengths(
+        source_raw,
+        label_raw,
+        kept_mask(train, spec),
+        task=cfg.model.task,
+        max_source=max_source,
+        max_label=max_label,
+        batch=cfg.trainer.batch_size,
+        multiple=cfg.memory.pad_to_multiple_of,
+        sampler="group_by_length" if cfg.memory.group_by_length else "random",
+        eval_lengths=eval_lengths,
+        eval_batch=cfg.memory.eval_batch_size or cfg.trainer.batch_size,
+    )
+    return PreparedData(DatasetDict(splits), audit, source_raw, label_raw)
 
 
 AUDIT_COLUMNS = ("source_len_raw", "label_len_raw")

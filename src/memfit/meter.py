@@ -51,6 +51,9 @@ class CudaMeter:
         self.overall = self.overall.max(peak)
         return peak
 
+    def current_bytes(self) -> int:
+        return self.torch.cuda.memory_allocated(self.device)
+
     def total_bytes(self) -> int:
         return self.torch.cuda.get_device_properties(self.device).total_memory
 
@@ -95,6 +98,9 @@ class HostMeter:
         peak = MemoryPeak(peak_bytes, peak_bytes)
         self.overall = self.overall.max(peak)
         return peak
+
+    def current_bytes(self) -> int:
+        return self._read_kib("VmRSS") * 1024 if self._status.exists() else 0
 
     def total_bytes(self) -> int:
         import psutil

@@ -1,12 +1,13 @@
-"""One run, straight through: config → data → model → training → tracking, returning a structured report.
+"""One run, straight through: config → data + length audit → model → worst-case preflight → training → tracking.
 
-The report (not a bare float) is what a sweeper reads back from Hydra's job return value.
+It returns a structured report (not a bare float), which is what a sweeper reads back from Hydra's job return.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -19,14 +20,20 @@ from memfit.policy import apply_allocator_env, resolve_device
 
 log = logging.getLogger("memfit")
 
+EXIT_BAD_INPUT, EXIT_RUN_FAILED, EXIT_PREFLIGHT_FAILED = 2, 1, 3
+
 
 @dataclass
 class RunReport:
-    status: str  # ok | oom | failed
+    status: str  # ok | oom | preflight_failed | failed
     reason: str | None = None
     objective: float | None = None  # tokens/s of training
     peak_allocated_gib: float | None = None
     peak_reserved_gib: float | None = None
+    worst_case_peak_gib: float | None = None  # the preflight's measured peak (reserved) on the worst batch
+    worst_case_shape: list[int] | None = None  # [batch, source, label]
+    max_batch: int | None = None
+    label_coverage: float | None = None
     tokens_per_s: float | None = None
     final_loss: float | None = None
     steps: int = 0
@@ -35,6 +42,10 @@ class RunReport:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+class OutOfMemoryInTraining(RuntimeError):
+    """An OOM during training, after the forensics were recorded."""
 
 
 def run_name(cfg: DictConfig) -> str:
@@ -52,24 +63,153 @@ def run_tags(cfg: DictConfig, device: str, meter_label: str) -> dict[str, str]:
         "memfit.budget_gib": "none" if cfg.budget.gib is None else f"{cfg.budget.gib:g}",
         "memfit.device": device,
         "memfit.meter": meter_label,
+        "memfit.mode": "preflight_only" if cfg.preflight_only else "train",
     }
 
 
 def _is_oom(err: BaseException) -> bool:
     import torch
 
-    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+    return isinstance(err, torch.OutOfMemoryError | OutOfMemoryInTraining) or "out of memory" in str(err).lower()
 
 
-def _train(cfg: DictConfig, device: str, tokenizer: Any, datasets: Any, tracker: Any, meter: Any) -> RunReport:
-    """Model → Trainer → train; the tracker already holds the run."""
+def _log_audit(prepared: Any, tracker: Any) -> None:
+    from memfit.audit import plot_histogram, render_table
+
+    log.info("\n%s", render_table(prepared.audit).rstrip())
+    tracker.log_metrics(prepared.audit.metrics(), step=0)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = plot_histogram(prepared.audit, prepared.source_raw, prepared.label_raw, f"{tmp}/length_histogram.png")
+        tracker.log_artifact(path, "audit")
+
+
+def _run_preflight(cfg: DictConfig, ctx: dict[str, Any]) -> Any:
+    """Probe the audit's worst batches under the budget; raise PreflightFailed when they do not fit."""
+    import time
+
+    from memfit.preflight import PreflightFailed, PreflightReport, ProbeSetup, find_max_batch, probe, suggest
+
+    trainer, built, audit = ctx["trainer"], ctx["built"], ctx["prepared"].audit
+    cap, meter = ctx["cap"], ctx["meter"]
+
+    def make_optimizer() -> Any:
+        trainer.optimizer = None
+        optimizer = trainer.create_optimizer()  # exactly the optimizer training will build
+        trainer.optimizer = None  # so that training builds its own, with fresh state
+        return optimizer
+
+    model_vocab = getattr(built.model.config, "vocab_size", None) or len(built.tokenizer)
+    setup = ProbeSetup(
+        built.model,
+        make_optimizer,
+        ctx["collator"].inner,
+        meter,
+        ctx["device"],
+        cfg.model.task,
+        cfg.memory.precision,
+        min(model_vocab, len(built.tokenizer)),
+        cfg.preflight.steps,
+    )
+    budget = cap.budget_bytes or (cap.fraction or 1.0) * meter.total_bytes()
+    limit = int(budget - cfg.budget.margin_gib * 1024**3)
+    start = time.perf_counter()
+    probes = []
+    eval_shape = audit.worst_eval if cfg.memory.eval_enabled else None
+    for index, shape in enumerate(audit.worst_train):
+        probes += probe(setup, shape, eval_shape if index == 0 else None)
+    passed = all(not p.oom and p.judged_bytes <= limit for p in probes)
+    report = PreflightReport(passed, probes, limit, int(budget), meter.label, cfg.model.task)
+    if passed and (cfg.preflight.find_max_batch or cfg.preflight_only):
+        worst_shape = max(audit.worst_train, key=lambda s: s.tokens)
+        report.max_batch = find_max_batch(setup, worst_shape, limit, cfg.preflight.max_batch_limit)
+    if not passed:
+        report.suggestions = suggest(
+            probes,
+            limit,
+            batch=cfg.trainer.batch_size,
+            accumulation=cfg.trainer.gradient_accumulation_steps,
+            task=cfg.model.task,
+            label_raw=ctx["prepared"].label_raw,
+            max_label=audit.max_label_length,
+            memory=cfg.memory,
+            trainable_params=built.trainable_params,
+            lora_enabled=cfg.model.lora.enabled,
+        )
+    report.seconds = time.perf_counter() - start
+    ctx["tracker"].log_metrics(report.metrics(), step=0)
+    ctx["tracker"].log_text(report.summary(), "preflight.txt")
+    if not passed:
+        log.error("preflight: the worst batch does not fit the budget; the run stops before step 1")
+        raise PreflightFailed(report)
+    log.info("\n%s", report.summary())
+    return report
+
+
+def _record_oom(ctx: dict[str, Any], err: BaseException) -> str:
+    """OOM forensics: the step, the batch that caused it, the allocator's summary and (opt-in) a snapshot."""
+    import torch
+
+    trainer, collator, tracker = ctx["trainer"], ctx["collator"], ctx["tracker"]
+    step = trainer.state.global_step + 1
+    shape = {k: list(v) for k, v in collator.last_shape.items()}
+    reason = f"oom: at step {step}, batch {shape}"
+    report = [reason, "", str(err)]
+    if ctx["device"] == "cuda":
+        report += ["", torch.cuda.memory_summary()]
+        if ctx["cfg"].forensics.memory_history:
+            with tempfile.TemporaryDirectory() as tmp:
+                snapshot = f"{tmp}/memory_snapshot.pickle"
+                torch.cuda.memory._dump_snapshot(snapshot)
+                tracker.log_artifact(snapshot, "oom")
+    tracker.log_text("\n".join(report), "oom/report.txt")
+    return reason
+
+
+def _train(cfg: DictConfig, ctx: dict[str, Any]) -> RunReport:
+    import torch
+
+    from memfit.training import train
+
+    if ctx["device"] == "cuda" and cfg.forensics.memory_history:
+        torch.cuda.memory._record_memory_history(max_entries=cfg.forensics.max_entries)
+    try:
+        totals = train(ctx["trainer"], ctx["collator"])
+    except torch.OutOfMemoryError as err:
+        reason = _record_oom(ctx, err)
+        raise OutOfMemoryInTraining(reason) from err
+    meter = ctx["meter"]
+    overall = meter.overall
+    tokens_per_s = totals.tokens / totals.wall_s if totals.wall_s > 0 else 0.0
+    summary = {
+        "summary/peak_allocated_gib": overall.allocated_gib,
+        "summary/peak_reserved_gib": overall.reserved_gib,
+        "summary/train_tokens": totals.tokens,
+        "summary/wall_s": totals.wall_s,
+        "summary/tokens_per_s": tokens_per_s,
+    }
+    if totals.final_loss is not None:
+        summary["summary/final_loss"] = totals.final_loss
+    ctx["tracker"].log_metrics(summary, step=totals.steps)
+    return RunReport(
+        status="ok",
+        objective=tokens_per_s,
+        peak_allocated_gib=overall.allocated_gib,
+        peak_reserved_gib=overall.reserved_gib,
+        tokens_per_s=tokens_per_s,
+        final_loss=totals.final_loss,
+        steps=totals.steps,
+    )
+
+
+def _prepare_training(cfg: DictConfig, ctx: dict[str, Any]) -> None:
+    """Model, collator, callback and Trainer: everything the preflight and training share."""
     from memfit.data import CountingCollator, model_columns
     from memfit.models import build_model
     from memfit.policy import training_arguments
-    from memfit.training import build_trainer, make_callback, train
+    from memfit.training import build_trainer, make_callback
 
-    built = build_model(cfg, tokenizer, device)
-    tracker.log_params(
+    built = build_model(cfg, ctx["tokenizer"], ctx["device"])
+    ctx["tracker"].log_params(
         {
             "memfit.random_weights": built.random_weights,
             "memfit.total_params": built.total_params,
@@ -83,82 +223,89 @@ def _train(cfg: DictConfig, device: str, tokenizer: Any, datasets: Any, tracker:
         built.trainable_params / 1e6,
         " (random weights)" if built.random_weights else "",
     )
-    collator = CountingCollator(tokenizer, cfg.memory.pad_to_multiple_of, cfg.model.task)
-    callback = make_callback(meter, tracker, collator)
-    ready = {split: model_columns(ds) for split, ds in datasets.items()}
+    collator = CountingCollator(ctx["tokenizer"], cfg.memory.pad_to_multiple_of, cfg.model.task)
+    callback = make_callback(ctx["meter"], ctx["tracker"], collator)
+    ready = {split: model_columns(ds) for split, ds in ctx["prepared"].datasets.items()}
     output_dir = str(Path(cfg.output_dir) / "checkpoints" / run_name(cfg))
-    args = training_arguments(cfg, device, output_dir, has_eval="validation" in ready)
-    trainer = build_trainer(cfg, built.model, tokenizer, ready, args, collator, [callback])
-    totals = train(trainer, collator)
-    overall = meter.overall
-    tokens_per_s = totals.tokens / totals.wall_s if totals.wall_s > 0 else 0.0
-    tracker.log_metrics(
-        {
-            "summary/peak_allocated_gib": overall.allocated_gib,
-            "summary/peak_reserved_gib": overall.reserved_gib,
-            "summary/train_tokens": totals.tokens,
-            "summary/wall_s": totals.wall_s,
-            "summary/tokens_per_s": tokens_per_s,
-            **({"summary/final_loss": totals.final_loss} if totals.final_loss is not None else {}),
-        },
-        step=totals.steps,
+    args = training_arguments(cfg, ctx["device"], output_dir, has_eval="validation" in ready)
+    ctx.update(
+        built=built,
+        collator=collator,
+        trainer=build_trainer(cfg, built.model, ctx["tokenizer"], ready, args, collator, [callback]),
     )
-    return RunReport(
-        status="ok",
-        objective=tokens_per_s,
-        peak_allocated_gib=overall.allocated_gib,
-        peak_reserved_gib=overall.reserved_gib,
-        tokens_per_s=tokens_per_s,
-        final_loss=totals.final_loss,
-        steps=totals.steps,
-        meter=meter.label,
-    )
+
+
+def _fill_from_preflight(report: RunReport, preflight: Any, audit: Any) -> None:
+    report.label_coverage = audit.label_coverage
+    if preflight is None:
+        return
+    worst = preflight.worst
+    report.worst_case_peak_gib = worst.judged_bytes / 1024**3
+    report.worst_case_shape = [worst.shape.batch, worst.shape.source, worst.shape.label]
+    report.max_batch = preflight.max_batch
 
 
 def run(cfg: DictConfig) -> RunReport:
-    """Validate, load data, then train under tracking. Bad input raises before any model load or record."""
+    """Validate and load data (bad input raises before any model load or record), then audit, preflight, train."""
     validate(cfg)
     apply_allocator_env(cfg.memory)  # before anything initialises CUDA
-    import torch
     from transformers import set_seed
 
     from memfit.data import load_and_tokenize
     from memfit.meter import make_meter
     from memfit.models import build_tokenizer
     from memfit.policy import apply_budget
+    from memfit.preflight import PreflightFailed
     from memfit.tracking import flatten, start_tracking
 
     device = resolve_device(cfg)
     set_seed(cfg.trainer.seed)
     tokenizer = build_tokenizer(cfg.model)
-    datasets = load_and_tokenize(cfg, tokenizer)
+    prepared = load_and_tokenize(cfg, tokenizer)
     meter = make_meter(device)
     cap = apply_budget(cfg, device, meter.total_bytes())
     log.info("device %s, memory meter: %s, budget: %s", device, meter.label, cap.label)
     tracker = start_tracking(cfg, run_name(cfg), run_tags(cfg, device, meter.label))
+    ctx: dict[str, Any] = dict(
+        cfg=cfg, device=device, tokenizer=tokenizer, prepared=prepared, meter=meter, cap=cap, tracker=tracker
+    )
+    preflight = None
     try:
         tracker.log_params(flatten(cfg))
         tracker.log_text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
-        report = _train(cfg, device, tokenizer, datasets, tracker, meter)
+        _log_audit(prepared, tracker)
+        _prepare_training(cfg, ctx)
+        if cfg.preflight.enabled:
+            preflight = _run_preflight(cfg, ctx)
+        report = RunReport(status="ok", steps=0) if cfg.preflight_only else _train(cfg, ctx)
+    except PreflightFailed as err:
+        tracker.finish("FAILED", "preflight: the worst batch does not fit the budget")
+        report = RunReport(status="preflight_failed", reason=str(err), run_id=tracker.run_id, meter=meter.label)
+        _fill_from_preflight(report, err.report, prepared.audit)
+        return report
     except (Exception, KeyboardInterrupt) as err:
         status = "oom" if _is_oom(err) else "failed"
-        reason = f"{status}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-        tracker.finish("FAILED" if not isinstance(err, KeyboardInterrupt) else "KILLED", reason)
+        first_line = str(err).splitlines()[0] if str(err) else ""
+        reason = (
+            first_line if isinstance(err, OutOfMemoryInTraining) else f"{status}: {type(err).__name__}: {first_line}"
+        )
+        tracker.finish("KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED", reason)
         if status == "oom":
-            torch.cuda.empty_cache() if device == "cuda" else None
             return RunReport(status="oom", reason=reason, run_id=tracker.run_id, meter=meter.label)
         raise
-    report.run_id = tracker.run_id
+    report.run_id, report.meter = tracker.run_id, meter.label
+    _fill_from_preflight(report, preflight, prepared.audit)
     tracker.finish("FINISHED")
-    log.info(
-        "done: %d steps, loss %s, peak allocated %.2f GiB, peak reserved %.2f GiB (%s), %.0f tokens/s",
-        report.steps,
-        f"{report.final_loss:.4f}" if report.final_loss is not None else "n/a",
-        report.peak_allocated_gib,
-        report.peak_reserved_gib,
-        meter.label,
-        report.tokens_per_s,
-    )
+    if not cfg.preflight_only:
+        log.info(
+            "done: %d steps, loss %s, peak allocated %.2f GiB, peak reserved %.2f GiB (%s), %.0f tokens/s",
+            report.steps,
+            f"{report.final_loss:.4f}" if report.final_loss is not None else "n/a",
+            report.peak_allocated_gib,
+            report.peak_reserved_gib,
+            meter.label,
+            report.tokens_per_s,
+        )
     return report
 
 
@@ -170,14 +317,15 @@ def _in_multirun() -> bool:
 
 
 def main(cfg: DictConfig) -> dict[str, Any]:
-    """The Hydra task: bad input → one line per problem and exit 2; a failed run → exit 1 (in a single run)."""
+    """The Hydra task. Bad input: one line per problem, exit 2. Preflight does not fit: exit 3. A failed run: exit 1
+    (in a single run; in a multirun the report goes back to the sweeper and the sweep goes on)."""
     try:
         report = run(cfg)
     except (ConfigError, DataError) as err:
         for line in str(err).splitlines():
             print(f"memfit: error: {line}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(EXIT_BAD_INPUT)
     if report.status != "ok" and not _in_multirun():
-        print(f"memfit: run failed: {report.reason}", file=sys.stderr)
-        sys.exit(1)
+        print(f"memfit: {report.status}: {report.reason}", file=sys.stderr)
+        sys.exit(EXIT_PREFLIGHT_FAILED if report.status == "preflight_failed" else EXIT_RUN_FAILED)
     return report.to_dict()

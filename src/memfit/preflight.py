@@ -1,0 +1,339 @@
+"""Worst-case preflight: before step 1, run the largest batch the data can produce through forward, backward and
+the real optimizer's step (twice, so its state exists), under the budget, and measure the peak.
+
+The preflight owns no training: it takes a model, an optimizer factory, the worst batch shapes and a budget, and
+returns a measured report. It leaves the model's weights, the RNG state and the Trainer's optimizer as they were.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from memfit.audit import BatchShape, label_coverage
+from memfit.meter import GIB, MemoryPeak
+
+
+@dataclass
+class Probe:
+    """One measured attempt at a batch shape."""
+
+    shape: BatchShape
+    phase: str  # train | eval
+    peak: MemoryPeak | None  # None when it ran out of memory
+    static_bytes: int = 0  # allocated after the steps: weights + optimizer state
+    attempted_bytes: int | None = None  # on OOM: what was in use plus what it tried to allocate
+    seconds: float = 0.0
+
+    @property
+    def oom(self) -> bool:
+        return self.peak is None
+
+    @property
+    def judged_bytes(self) -> int:
+        """Reserved memory is what the device must hold; on OOM, what was attempted."""
+        return self.peak.reserved if self.peak else (self.attempted_bytes or 0)
+
+
+@dataclass
+class PreflightReport:
+    passed: bool
+    probes: list[Probe]
+    limit_bytes: int  # budget minus margin
+    budget_bytes: int
+    meter: str
+    task: str
+    suggestions: list[str] = field(default_factory=list)
+    max_batch: int | None = None
+    seconds: float = 0.0
+
+    @property
+    def worst(self) -> Probe:
+        return max(self.probes, key=lambda p: (p.oom, p.judged_bytes))
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.limit_bytes - self.worst.judged_bytes
+
+    def metrics(self) -> dict[str, float]:
+        worst = self.worst
+        out = {
+            "preflight/passed": float(self.passed),
+            "preflight/worst_batch": worst.shape.batch,
+            "preflight/worst_source": worst.shape.source,
+            "preflight/worst_label": worst.shape.label,
+            "preflight/seconds": self.seconds,
+            "preflight/headroom_gib": self.headroom_bytes / GIB,
+        }
+        if worst.peak:
+            out["preflight/peak_allocated_gib"] = worst.peak.allocated_gib
+            out["preflight/peak_reserved_gib"] = worst.peak.reserved_gib
+        if self.max_batch:
+            out["preflight/max_batch"] = self.max_batch
+        return out
+
+    def summary(self) -> str:
+        lines = []
+        for probe in self.probes:
+            what = probe.shape.describe(self.task)
+            if probe.oom:
+                attempted = f" (attempted ~{probe.attempted_bytes / GIB:.2f} GiB)" if probe.attempted_bytes else ""
+                lines.append(f"  {probe.phase} {what}: OUT OF MEMORY{attempted}")
+            else:
+                lines.append(
+                    f"  {probe.phase} {what}: peak allocated {probe.peak.allocated_gib:.2f} GiB, "
+                    f"reserved {probe.peak.reserved_gib:.2f} GiB ({probe.seconds:.1f} s)"
+                )
+        verdict = "fits" if self.passed else "does NOT fit"
+        head = (
+            f"preflight: the worst batch {verdict} the budget: limit {self.limit_bytes / GIB:.2f} GiB "
+            f"(budget {self.budget_bytes / GIB:.2f} GiB minus margin, {self.meter}), "
+            f"headroom {self.headroom_bytes / GIB:+.2f} GiB"
+        )
+        lines.insert(0, head)
+        if self.max_batch:
+            lines.append(f"  largest batch that fits the worst case: {self.max_batch}")
+        if self.suggestions:
+            lines.append("  ways out, largest expected saving first (estimates from the measured peak):")
+            lines += [f"    {i}. {s}" for i, s in enumerate(self.suggestions, 1)]
+        return "\n".join(lines)
+
+
+class PreflightFailed(RuntimeError):
+    def __init__(self, report: PreflightReport):
+        self.report = report
+        super().__init__(report.summary())
+
+
+_TRIED = re.compile(r"Tried to allocate ([\d.]+) (GiB|MiB|KiB)")
+
+
+def _attempted_bytes(err: BaseException, in_use: int) -> int | None:
+    match = _TRIED.search(str(err))
+    if not match:
+        return None
+    scale = {"GiB": GIB, "MiB": 1024**2, "KiB": 1024}[match.group(2)]
+    return in_use + int(float(match.group(1)) * scale)
+
+
+def make_batch(shape: BatchShape, collator: Any, task: str, vocab_size: int, device: str) -> dict[str, Any]:
+    """A batch of exactly `shape`, padded by the run's own collator, of ordinary (non-special) token ids."""
+    rng = np.random.default_rng(0)  # its own generator: the global RNG state is not touched
+    low = min(1000, vocab_size // 2)
+
+    def ids(n: int) -> list[int]:
+        return rng.integers(low, vocab_size, size=n).tolist()
+
+    features = []
+    for _ in range(shape.batch):
+        if task == "causal":
+            tokens = ids(shape.source)
+            features.append({"input_ids": tokens, "attention_mask": [1] * len(tokens), "labels": list(tokens)})
+        else:
+            source = ids(shape.source)
+            features.append({"input_ids": source, "attention_mask": [1] * len(source), "labels": ids(shape.label)})
+    batch = collator(features)
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def _autocast(device: str, precision: str) -> contextlib.AbstractContextManager:
+    import torch
+
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type="cuda" if device == "cuda" else "cpu", dtype=dtype)
+
+
+class _Preserved:
+    """Trainable weights and RNG state copied to the host before probing, restored bit for bit after."""
+
+    def __init__(self, model: Any):
+        import torch
+
+        self.model = model
+        self.weights = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if p.requires_grad}
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        self.training = model.training
+
+    def restore(self) -> None:
+        import torch
+
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                if name in self.weights:
+                    param.copy_(self.weights[name])
+                param.grad = None
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        self.model.train(self.training)
+
+
+@dataclass
+class ProbeSetup:
+    model: Any
+    make_optimizer: Callable[[], Any]
+    collator: Any
+    meter: Any
+    device: str
+    task: str
+    precision: str
+    vocab_size: int
+    steps: int = 2
+
+
+def _free(device: str) -> None:
+    gc.collect()
+    if device == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+def probe(setup: ProbeSetup, shape: BatchShape, eval_shape: BatchShape | None = None) -> list[Probe]:
+    """Forward + backward + optimizer step `setup.steps` times on `shape`, then (optionally) an eval forward with
+    the optimizer state still held, as in training. Weights and RNG are restored afterwards."""
+    import torch
+
+    preserved = _Preserved(setup.model)
+    optimizer = None
+    results: list[Probe] = []
+    phase, current = "train", shape
+    try:
+        _free(setup.device)
+        batch = make_batch(shape, setup.collator, setup.task, setup.vocab_size, setup.device)
+        setup.model.train()
+        optimizer = setup.make_optimizer()
+        setup.meter.reset_window()
+        start = time.perf_counter()
+        for _ in range(setup.steps):
+            with _autocast(setup.device, setup.precision):
+                loss = setup.model(**batch).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            del loss
+        static = setup.meter.current_bytes()  # weights + optimizer state (on CPU: the whole process)
+        results.append(Probe(shape, "train", setup.meter.window_peak(), static, seconds=time.perf_counter() - start))
+        del batch
+        if eval_shape is not None:
+            phase, current = "eval", eval_shape
+            batch = make_batch(eval_shape, setup.collator, setup.task, setup.vocab_size, setup.device)
+            setup.model.eval()
+            setup.meter.reset_window()
+            start = time.perf_counter()
+            with torch.no_grad(), _autocast(setup.device, setup.precision):
+                setup.model(**batch)
+            results.append(
+                Probe(eval_shape, "eval", setup.meter.window_peak(), static, seconds=time.perf_counter() - start)
+            )
+    except torch.OutOfMemoryError as err:
+        in_use = setup.meter.current_bytes()
+        results.append(Probe(current, phase, None, attempted_bytes=_attempted_bytes(err, in_use)))
+    finally:
+        del optimizer
+        preserved.restore()
+        _free(setup.device)
+    return results
+
+
+def _fits(probes: list[Probe], limit: int) -> bool:
+    return all(not p.oom and p.judged_bytes <= limit for p in probes)
+
+
+def find_max_batch(setup: ProbeSetup, shape: BatchShape, limit: int, upper: int) -> int | None:
+    """The largest batch whose worst case fits: doubling, then bisection, always on the worst shape."""
+
+    def fits(batch: int) -> bool:
+        return _fits(probe(setup, BatchShape(batch, shape.source, shape.label)), limit)
+
+    good, bad = 0, None
+    batch = max(1, shape.batch)
+    while batch <= upper:
+        if not fits(batch):
+            bad = batch
+            break
+        good, batch = batch, batch * 2
+    if bad is not None:  # bisect between the last fit (or nothing) and the first failure
+        while bad - good > 1:
+            middle = (good + bad) // 2
+            good, bad = (middle, bad) if fits(middle) else (good, middle)
+    return good or None
+
+
+def suggest(
+    report_probes: list[Probe],
+    limit: int,
+    *,
+    batch: int,
+    accumulation: int,
+    task: str,
+    label_raw: np.ndarray,
+    max_label: int,
+    memory: Any,
+    trainable_params: int,
+    lora_enabled: bool,
+) -> list[str]:
+    """Concrete ways out, ranked by expected saving. Estimates: activation memory is taken as proportional to the
+    batch's tokens, on top of the static part (weights + optimizer state) the probe measured."""
+    worst = max(report_probes, key=lambda p: p.judged_bytes)
+    peak = worst.judged_bytes
+    static = worst.static_bytes or 0
+    activations = max(peak - static, 1)
+    need = peak - limit
+    ranked: list[tuple[float, str]] = []
+    effective = batch * accumulation
+    for smaller in range(batch - 1, 0, -1):
+        expected = static + activations * smaller / batch
+        if expected <= limit or smaller == 1:
+            ranked.append(
+                (
+                    peak - expected,
+                    f"trainer.batch_size={smaller} trainer.gradient_accumulation_steps="
+                    f"{math.ceil(effective / smaller)} (same effective batch {effective}; expected peak "
+                    f"~{expected / GIB:.1f} GiB)",
+                )
+            )
+            break
+    shape = worst.shape
+    if task == "seq2seq" and shape.label > 16:
+        per_label_token = activations / (shape.source + shape.label)
+        shorter = shape.label - math.ceil(need / per_label_token) if need > 0 else shape.label // 2
+        shorter = max(8, shorter)
+        if shorter < shape.label:
+            ranked.append(
+                (
+                    per_label_token * (shape.label - shorter),
+                    f"memory.max_label_length={shorter} (keeps {label_coverage(label_raw, shorter):.1%} of "
+                    f"label tokens; {max_label} keeps {label_coverage(label_raw, max_label):.1%})",
+                )
+            )
+    if not memory.gradient_checkpointing:
+        ranked.append(
+            (
+                0.5 * activations,
+                "memory.gradient_checkpointing=true (~40-60% less activation memory, ~30% slower steps)",
+            )
+        )
+    if memory.optimizer == "adamw":
+        ranked.append(
+            (
+                6.0 * trainable_params,
+                "memory.optimizer=adamw_8bit on GPU, or adafactor (AdamW keeps "
+                f"{8 * trainable_params / GIB:.2f} GiB of state for {trainable_params / 1e6:.0f}M params)",
+            )
+        )
+    if task == "causal" and not lora_enabled:
+        ranked.append((0.0, "model.lora.enabled=true, or memory=qlora for 4-bit base weights"))
+    ranked.sort(key=lambda item: -item[0])
+    return [text for _, text in ranked]

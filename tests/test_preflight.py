@@ -1,0 +1,129 @@
+"""The worst-case preflight probes the audit's shape, leaves weights untouched, and stops a run that cannot fit."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from memfit.audit import BatchShape, padded
+from memfit.data import CountingCollator
+from memfit.meter import HostMeter
+from memfit.models import build_model, build_tokenizer
+from memfit.preflight import ProbeSetup, make_batch, probe
+from memfit.run import run
+from memfit.tracking import default_tracking_uri
+
+from .conftest import FAST, ROOT, train_py_env
+
+
+def _setup(cfg):
+    tokenizer = build_tokenizer(cfg.model)
+    built = build_model(cfg, tokenizer, "cpu")
+    optimizers = []
+
+    def make_optimizer():
+        optimizers.append(torch.optim.AdamW([p for p in built.model.parameters() if p.requires_grad], lr=1e-3))
+        return optimizers[-1]
+
+    collator = CountingCollator(tokenizer, 8, cfg.model.task)
+    setup = ProbeSetup(
+        built.model, make_optimizer, collator.inner, HostMeter(), "cpu", cfg.model.task, "fp32", len(tokenizer)
+    )
+    return setup, optimizers
+
+
+def test_probe_batch_has_exactly_the_shape(compose_cfg):
+    setup, _ = _setup(compose_cfg("model=tiny_seq2seq"))
+    batch = make_batch(BatchShape(3, 40, 24), setup.collator, "seq2seq", setup.vocab_size, "cpu")
+    assert tuple(batch["input_ids"].shape) == (3, 40) and tuple(batch["labels"].shape) == (3, 24)
+    assert (batch["labels"] != -100).all()  # every label position is a real target: the worst case
+
+
+@pytest.mark.parametrize("model", ["tiny_seq2seq", "tiny_causal"])
+def test_probe_leaves_weights_and_rng_exactly_as_before(compose_cfg, model):
+    setup, optimizers = _setup(compose_cfg(f"model={model}"))
+    before = {n: p.detach().clone() for n, p in setup.model.named_parameters()}
+    rng = torch.get_rng_state()
+    probes = probe(setup, BatchShape(2, 32, 16), BatchShape(2, 32, 16))
+    assert [p.phase for p in probes] == ["train", "eval"] and not any(p.oom for p in probes)
+    assert optimizers and optimizers[0].state  # the optimizer really stepped (its state existed)
+    for name, param in setup.model.named_parameters():
+        assert torch.equal(param, before[name]), name
+        assert param.grad is None
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+@pytest.mark.slow
+def test_training_after_a_passing_preflight_is_identical_to_training_without(compose_cfg):
+    losses = []
+    for enabled in (False, True):
+        cfg = compose_cfg(
+            "model=tiny_seq2seq", *FAST, f"preflight.enabled={enabled}", f"tracking.experiment=pf{enabled}"
+        )
+        report = run(cfg)
+        client = MlflowClient(default_tracking_uri(cfg.output_dir))
+        losses.append([m.value for m in client.get_metric_history(report.run_id, "train/loss")])
+    assert losses[0] == losses[1] and len(losses[0]) == 3
+
+
+@pytest.mark.slow
+def test_preflight_probes_the_longest_padded_shape_and_truncation_changes_it(compose_cfg, long_tail_jsonl):
+    base = [
+        "model=tiny_seq2seq",
+        "data=jsonl",
+        f"data.path={long_tail_jsonl}",
+        "data.validation_fraction=0",
+        "memory.max_source_length=512",
+        "memory.pad_to_multiple_of=8",
+        "trainer.batch_size=4",
+        "preflight_only=true",
+        "preflight.max_batch_limit=8",
+    ]
+    full = run(compose_cfg(*base, "memory.max_label_length=512"))
+    assert full.status == "ok" and full.steps == 0  # preflight_only trains nothing
+    assert full.worst_case_shape[2] == padded(302, 8)  # the rare 302-token label, padded as the collator pads
+    assert full.max_batch is not None and full.max_batch >= 4
+    cut = run(compose_cfg(*base, "memory.max_label_length=32", "tracking.experiment=cut"))
+    assert cut.worst_case_shape[2] == 32
+    assert cut.worst_case_shape[1] == full.worst_case_shape[1]
+    assert cut.label_coverage < 1.0 == full.label_coverage
+
+
+@pytest.mark.slow
+def test_a_failing_preflight_exits_before_training_with_ways_out(tmp_path, long_tail_jsonl):
+    # On CPU the budget is host memory: 0.3 GiB is less than the Python process itself.
+    out = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "model=tiny_seq2seq",
+            "data=jsonl",
+            f"data.path={long_tail_jsonl}",
+            "budget.gib=0.3",
+            "budget.margin_gib=0",
+            "memory.max_label_length=512",
+            "trainer.device=cpu",
+            "memory.precision=fp32",
+            f"output_dir={tmp_path}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=train_py_env(),
+        timeout=300,
+    )
+    assert out.returncode == 3, out.stderr[-2000:]
+    assert "the worst batch does NOT fit the budget" in out.stderr
+    assert "batch 4 × source" in out.stderr and "labels 304" in out.stderr  # the probed shape is named
+    assert "ways out" in out.stderr and "trainer.batch_size=" in out.stderr
+    assert "memory.max_label_length=" in out.stderr and "gradient_checkpointing=true" in out.stderr
+    client = MlflowClient(default_tracking_uri(str(tmp_path)))
+    recorded = client.search_runs([client.get_experiment_by_name("memfit").experiment_id])[0]
+    assert recorded.info.status == "FAILED"
+    assert recorded.data.tags["memfit.reason"].startswith("preflight")
+    assert "train/loss" not in recorded.data.metrics  # no training step ran
+    assert recorded.data.metrics["preflight/passed"] == 0.0
