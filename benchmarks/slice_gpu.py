@@ -134,6 +134,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="cpu only to smoke-test this script")
     parser.add_argument("--models", nargs="*", default=MODELS)
     parser.add_argument("--skip-policy-runs", action="store_true")
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--child", nargs=2)
     args = parser.parse_args()
     if args.child:
@@ -168,7 +169,7 @@ def main() -> None:
             {
                 "overrides": [f"model={m}", "memory=balanced", *common],
                 "steps": args.steps,
-                "repeats": 3,
+                "repeats": args.repeats,
                 "store": f"sqlite:///{args.store}",
                 "device": args.device,
             },

@@ -252,10 +252,23 @@ def _fits(probes: list[Probe], limit: int) -> bool:
 
 
 def find_max_batch(setup: ProbeSetup, shape: BatchShape, limit: int, upper: int) -> int | None:
-    """The largest batch whose worst case fits: doubling, then bisection, always on the worst shape."""
+    """The largest batch whose worst case fits: doubling, then bisection, always on the worst shape.
+
+    A batch that the last fitting probe, scaled linearly in batch size, puts well over the limit is taken as not
+    fitting without being run: on CPU nothing caps the allocator, so such a probe could take the whole host down.
+    """
+    measured: dict[int, Probe] = {}
 
     def fits(batch: int) -> bool:
-        return _fits(probe(setup, BatchShape(batch, shape.source, shape.label)), limit)
+        fitting = [b for b, p in measured.items() if b < batch and not p.oom and p.judged_bytes <= limit]
+        if fitting:
+            base = measured[max(fitting)]
+            activations = max(base.judged_bytes - base.static_bytes, 0)
+            if base.static_bytes + activations * batch / max(fitting) > 1.1 * limit:
+                return False
+        probes = probe(setup, BatchShape(batch, shape.source, shape.label))
+        measured[batch] = probes[0]
+        return _fits(probes, limit)
 
     good, bad = 0, None
     batch = max(1, shape.batch)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -85,8 +86,6 @@ def _log_audit(prepared: Any, tracker: Any) -> None:
 
 def _run_preflight(cfg: DictConfig, ctx: dict[str, Any]) -> Any:
     """Probe the audit's worst batches under the budget; raise PreflightFailed when they do not fit."""
-    import time
-
     from memfit.preflight import PreflightFailed, PreflightReport, ProbeSetup, find_max_batch, probe, suggest
 
     trainer, built, audit = ctx["trainer"], ctx["built"], ctx["prepared"].audit
@@ -111,6 +110,10 @@ def _run_preflight(cfg: DictConfig, ctx: dict[str, Any]) -> Any:
         cfg.preflight.steps,
     )
     budget = cap.budget_bytes or (cap.fraction or 1.0) * meter.total_bytes()
+    if ctx["device"] != "cuda":  # nothing caps host allocations: never probe past the memory the host has free
+        import psutil
+
+        budget = min(budget, psutil.virtual_memory().available + meter.current_bytes())
     limit = int(budget - cfg.budget.margin_gib * 1024**3)
     start = time.perf_counter()
     probes = []
@@ -261,7 +264,9 @@ def run(cfg: DictConfig) -> RunReport:
     device = resolve_device(cfg)
     set_seed(cfg.trainer.seed)
     tokenizer = build_tokenizer(cfg.model)
+    started = time.perf_counter()
     prepared = load_and_tokenize(cfg, tokenizer)
+    audit_seconds = time.perf_counter() - started
     meter = make_meter(device)
     cap = apply_budget(cfg, device, meter.total_bytes())
     log.info("device %s, memory meter: %s, budget: %s", device, meter.label, cap.label)
@@ -274,6 +279,7 @@ def run(cfg: DictConfig) -> RunReport:
         tracker.log_params(flatten(cfg))
         tracker.log_text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
         _log_audit(prepared, tracker)
+        tracker.log_metrics({"audit/seconds": audit_seconds}, step=0)
         _prepare_training(cfg, ctx)
         if cfg.preflight.enabled:
             preflight = _run_preflight(cfg, ctx)
@@ -309,6 +315,17 @@ def run(cfg: DictConfig) -> RunReport:
     return report
 
 
+def _write_report(report: RunReport) -> None:
+    """report.json in the Hydra job's output directory, for scripts and for resuming sweeps."""
+    import json
+
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        path = Path(HydraConfig.get().runtime.output_dir) / "report.json"
+        path.write_text(json.dumps(report.to_dict(), indent=1))
+
+
 def _in_multirun() -> bool:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
@@ -325,6 +342,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         for line in str(err).splitlines():
             print(f"memfit: error: {line}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
+    _write_report(report)
     if report.status != "ok" and not _in_multirun():
         print(f"memfit: {report.status}: {report.reason}", file=sys.stderr)
         sys.exit(EXIT_PREFLIGHT_FAILED if report.status == "preflight_failed" else EXIT_RUN_FAILED)
