@@ -190,6 +190,7 @@ class ProbeSetup:
     precision: str
     vocab_size: int
     steps: int = 2
+    accumulation: int = 1  # gradient accumulation: with it, a forward runs while the last micro-batch's grads exist
 
 
 def _free(device: str) -> None:
@@ -201,8 +202,9 @@ def _free(device: str) -> None:
 
 
 def probe(setup: ProbeSetup, shape: BatchShape, eval_shape: BatchShape | None = None) -> list[Probe]:
-    """Forward + backward + optimizer step `setup.steps` times on `shape`, then (optionally) an eval forward with
-    the optimizer state still held, as in training. Weights and RNG are restored afterwards."""
+    """`setup.steps` optimizer steps on `shape` (each over two micro-batches when training accumulates gradients,
+    so a forward runs while gradients are held), then optionally an eval forward with the optimizer state still
+    held, as in training. Weights and RNG are restored afterwards."""
     import torch
 
     preserved = _Preserved(setup.model)
@@ -217,12 +219,13 @@ def probe(setup: ProbeSetup, shape: BatchShape, eval_shape: BatchShape | None = 
         setup.meter.reset_window()
         start = time.perf_counter()
         for _ in range(setup.steps):
-            with _autocast(setup.device, setup.precision):
-                loss = setup.model(**batch).loss
-            loss.backward()
+            for _ in range(min(setup.accumulation, 2)):  # the second micro-batch runs on top of held grads
+                with _autocast(setup.device, setup.precision):
+                    loss = setup.model(**batch).loss
+                loss.backward()
+                del loss
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            del loss
         static = setup.meter.current_bytes()  # weights + optimizer state (on CPU: the whole process)
         results.append(Probe(shape, "train", setup.meter.window_peak(), static, seconds=time.perf_counter() - start))
         del batch
