@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -68,3 +70,15 @@ def train_py_env() -> dict[str, str]:
     env = dict(os.environ, CI="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     env.pop("HYDRA_FULL_ERROR", None)
     return env
+
+
+def run_train_py(*args: str, cwd: Path = ROOT, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`python train.py ARGS` in a fresh process, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env=train_py_env(),
+        timeout=timeout,
+    )

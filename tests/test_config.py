@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 from omegaconf import OmegaConf
 
 from memfit.config import ConfigError, effective_lengths, validate
 
-from .conftest import CONF, ROOT, train_py_env, write_jsonl
+from .conftest import CONF, run_train_py, write_jsonl
 
 
 def _options(group: str) -> list[str]:
@@ -58,14 +55,7 @@ def test_every_memory_knob_is_commented_with_its_trade_off():
 
 
 def test_cfg_job_shows_the_policy_knobs():
-    out = subprocess.run(
-        [sys.executable, "train.py", "--cfg", "job", "memory=tight"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env=train_py_env(),
-        timeout=120,
-    )
+    out = run_train_py("--cfg", "job", "memory=tight", timeout=120)
     assert out.returncode == 0, out.stderr
     shown = OmegaConf.create(out.stdout)
     assert shown.memory.name == "tight"
@@ -134,14 +124,7 @@ def test_missing_column_is_named(compose_cfg, tmp_path):
     ],
 )
 def test_train_py_exits_nonzero_with_a_clear_line(tmp_path, overrides, expected):
-    out = subprocess.run(
-        [sys.executable, "train.py", f"output_dir={tmp_path}", *overrides],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env=train_py_env(),
-        timeout=120,
-    )
+    out = run_train_py(f"output_dir={tmp_path}", *overrides, timeout=120)
     assert out.returncode != 0
     assert expected in out.stderr
     assert "Traceback" not in out.stderr

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
@@ -17,7 +14,7 @@ from memfit.preflight import ProbeSetup, make_batch, probe
 from memfit.run import run
 from memfit.tracking import default_tracking_uri
 
-from .conftest import FAST, ROOT, train_py_env
+from .conftest import FAST, run_train_py
 
 
 def _setup(cfg):
@@ -96,24 +93,16 @@ def test_preflight_probes_the_longest_padded_shape_and_truncation_changes_it(com
 @pytest.mark.slow
 def test_a_failing_preflight_exits_before_training_with_ways_out(tmp_path, long_tail_jsonl):
     # On CPU the budget is host memory: 0.3 GiB is less than the Python process itself.
-    out = subprocess.run(
-        [
-            sys.executable,
-            "train.py",
-            "model=tiny_seq2seq",
-            "data=jsonl",
-            f"data.path={long_tail_jsonl}",
-            "budget.gib=0.3",
-            "budget.margin_gib=0",
-            "memory.max_label_length=512",
-            "trainer.device=cpu",
-            "memory.precision=fp32",
-            f"output_dir={tmp_path}",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env=train_py_env(),
+    out = run_train_py(
+        "model=tiny_seq2seq",
+        "data=jsonl",
+        f"data.path={long_tail_jsonl}",
+        "budget.gib=0.3",
+        "budget.margin_gib=0",
+        "memory.max_label_length=512",
+        "trainer.device=cpu",
+        "memory.precision=fp32",
+        f"output_dir={tmp_path}",
         timeout=300,
     )
     assert out.returncode == 3, out.stderr[-2000:]

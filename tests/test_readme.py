@@ -8,7 +8,6 @@ import shlex
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 
@@ -17,7 +16,7 @@ from mlflow.tracking import MlflowClient
 
 from memfit.tracking import default_tracking_uri
 
-from .conftest import ROOT, train_py_env
+from .conftest import ROOT, run_train_py
 
 pytestmark = pytest.mark.slow
 README = (ROOT / "README.md").read_text()
@@ -34,8 +33,7 @@ def readme_command(prefix: str) -> list[str]:
 
 def run_train(argv: list[str], tmp_path, cwd=ROOT) -> subprocess.CompletedProcess:
     assert argv[:2] == ["python", "train.py"]
-    cmd = [sys.executable, str(ROOT / "train.py"), *argv[2:], f"output_dir={tmp_path}"]
-    out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=train_py_env(), timeout=600)
+    out = run_train_py(*argv[2:], f"output_dir={tmp_path}", cwd=cwd)
     assert out.returncode == 0, out.stderr[-3000:]
     return out
 
@@ -65,6 +63,14 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_preflight_only_example(tmp_path):
+    run_train(readme_command("python train.py model=tiny_seq2seq preflight_only=true"), tmp_path)
+    report = next(tmp_path.glob("runs/*/*/report.json")).read_text()
+    assert '"max_batch"' in report and '"status": "ok"' in report
+    run = finished_runs(tmp_path)[0]
+    assert run.data.tags["memfit.mode"] == "preflight_only" and "train/loss" not in run.data.metrics
 
 
 def test_compare_policies_then_open_the_mlflow_ui(tmp_path):

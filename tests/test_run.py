@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 from mlflow.tracking import MlflowClient
 
 from memfit.run import run
 from memfit.tracking import default_tracking_uri
 
-from .conftest import FAST, ROOT, train_py_env
+from .conftest import FAST, run_train_py
 
 pytestmark = pytest.mark.slow
 
@@ -71,21 +68,13 @@ def test_a_failing_run_ends_failed_with_its_reason(compose_cfg):
 
 
 def test_multirun_over_two_policies_gives_two_comparable_runs(tmp_path):
-    out = subprocess.run(
-        [
-            sys.executable,
-            "train.py",
-            "-m",
-            "memory=off,tight",
-            "model=tiny_seq2seq",
-            *FAST,
-            "memory.max_source_length=64",
-            f"output_dir={tmp_path}",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env=train_py_env(),
+    out = run_train_py(
+        "-m",
+        "memory=off,tight",
+        "model=tiny_seq2seq",
+        *FAST,
+        "memory.max_source_length=64",
+        f"output_dir={tmp_path}",
         timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]

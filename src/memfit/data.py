@@ -220,48 +220,39 @@ class TokenizeSpec:
     overlength: str
 
 
+def _new_encoding() -> dict[str, list]:
+    return {"input_ids": [], "attention_mask": [], "labels": [], "source_len_raw": [], "label_len_raw": []}
+
+
+def _add(out: dict[str, list], input_ids: list[int], labels: list[int], source_raw: int, label_raw: int) -> None:
+    out["input_ids"].append(input_ids)
+    out["attention_mask"].append([1] * len(input_ids))
+    out["labels"].append(labels)
+    out["source_len_raw"].append(source_raw)
+    out["label_len_raw"].append(label_raw)
+
+
 def _encode_seq2seq(batch: dict[str, list[str]], tokenizer: Any, spec: TokenizeSpec) -> dict[str, list]:
     sources = tokenizer(batch["source"], truncation=False)["input_ids"]
     labels = tokenizer(text_target=batch["target"], truncation=False)["input_ids"]
-    out: dict[str, list] = {
-        "input_ids": [],
-        "attention_mask": [],
-        "labels": [],
-        "source_len_raw": [],
-        "label_len_raw": [],
-    }
+    out = _new_encoding()
     for src, lab in zip(sources, labels, strict=True):
-        src_t = _truncate(src, spec.max_source_length, keep_last=True)
-        lab_t = _truncate(lab, spec.max_label_length, keep_last=True)
-        out["input_ids"].append(src_t)
-        out["attention_mask"].append([1] * len(src_t))
-        out["labels"].append(lab_t)
-        out["source_len_raw"].append(len(src))
-        out["label_len_raw"].append(len(lab))
+        src_cut = _truncate(src, spec.max_source_length, keep_last=True)
+        _add(out, src_cut, _truncate(lab, spec.max_label_length, keep_last=True), len(src), len(lab))
     return out
 
 
 def _encode_causal(batch: dict[str, list[str]], tokenizer: Any, spec: TokenizeSpec) -> dict[str, list]:
+    """prompt + response + EOS as input; the prompt is masked out of the labels."""
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
     prompts = tokenizer(batch["source"], add_special_tokens=False)["input_ids"]
     responses = tokenizer(batch["target"], add_special_tokens=False)["input_ids"]
-    out: dict[str, list] = {
-        "input_ids": [],
-        "attention_mask": [],
-        "labels": [],
-        "source_len_raw": [],
-        "label_len_raw": [],
-    }
+    out = _new_encoding()
     for prompt, response in zip(prompts, responses, strict=True):
         response = response + [eos]
-        prompt_t = _truncate(prompt, spec.max_source_length, keep_last=False)
-        response_t = _truncate(response, spec.max_label_length, keep_last=True)
-        ids = prompt_t + response_t
-        out["input_ids"].append(ids)
-        out["attention_mask"].append([1] * len(ids))
-        out["labels"].append([LABEL_PAD] * len(prompt_t) + response_t)
-        out["source_len_raw"].append(len(prompt))
-        out["label_len_raw"].append(len(response))
+        prompt_cut = _truncate(prompt, spec.max_source_length, keep_last=False)
+        response_cut = _truncate(response, spec.max_label_length, keep_last=True)
+        _add(out, prompt_cut + response_cut, [LABEL_PAD] * len(prompt_cut) + response_cut, len(prompt), len(response))
     return out
 
 
