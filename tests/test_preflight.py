@@ -116,3 +116,21 @@ def test_a_failing_preflight_exits_before_training_with_ways_out(tmp_path, long_
     assert recorded.data.tags["memfit.reason"].startswith("preflight")
     assert "train/loss" not in recorded.data.metrics  # no training step ran
     assert recorded.data.metrics["preflight/passed"] == 0.0
+
+
+def test_generation_is_probed_when_evaluation_generates(compose_cfg):
+    setup, _ = _setup(compose_cfg("model=tiny_seq2seq"))
+    shape = BatchShape(2, 32, 16)
+    plain = probe(setup, shape, shape)[1]
+    setup.generate = True
+    before = {n: p.detach().clone() for n, p in setup.model.named_parameters()}
+    generating = probe(setup, shape, shape)[1]
+    assert generating.phase == "eval" and not generating.oom
+    assert generating.seconds > plain.seconds  # 16 decoding steps ran on top of the forward
+    assert all(torch.equal(p, before[n]) for n, p in setup.model.named_parameters())
+
+
+@pytest.mark.slow
+def test_a_run_that_evaluates_by_generation(compose_cfg):
+    report = run(compose_cfg("model=tiny_seq2seq", *FAST, "trainer.predict_with_generate=true"))
+    assert report.status == "ok" and report.worst_case_peak_gib > 0

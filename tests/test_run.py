@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
 
 from memfit.run import run
@@ -83,3 +84,18 @@ def test_multirun_over_two_policies_gives_two_comparable_runs(tmp_path):
     assert all(r.info.status == "FINISHED" for r in runs)
     assert all(r.data.metrics["summary/peak_allocated_gib"] > 0 for r in runs)
     assert {r.data.params["memory.gradient_checkpointing"] for r in runs} == {"True", "False"}
+
+
+def test_a_local_checkpoint_is_loaded_instead_of_random_weights(compose_cfg, tmp_path):
+    from memfit.models import build_model, build_tokenizer
+
+    cfg = compose_cfg("model=tiny_seq2seq", *FAST, "tracking=none")
+    tokenizer = build_tokenizer(cfg.model)
+    saved = build_model(cfg, tokenizer, "cpu").model
+    saved.save_pretrained(tmp_path / "ckpt")
+    tokenizer.save_pretrained(tmp_path / "ckpt")
+    cfg = compose_cfg("model=tiny_seq2seq", *FAST, "tracking=none", f"model.name_or_path={tmp_path / 'ckpt'}")
+    loaded = build_model(cfg, build_tokenizer(cfg.model), "cpu")
+    assert not loaded.random_weights
+    for (name, a), (_, b) in zip(saved.named_parameters(), loaded.model.named_parameters(), strict=True):
+        assert torch.equal(a, b), name

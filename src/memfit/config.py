@@ -105,6 +105,7 @@ class TrainerConfig:
     eval_steps: int | None = None
     save_steps: int | None = None
     seed: int = 42
+    predict_with_generate: bool = False
     device: str = "auto"
     dataloader_num_workers: int = 0
 
@@ -253,6 +254,8 @@ def _validate_trainer(cfg: DictConfig, problems: list[str]) -> None:
     _positive(problems, "trainer.eval_steps", t.eval_steps, "use a positive step count or null")
     _positive(problems, "trainer.save_steps", t.save_steps, "use a positive step count or null")
     _choice(problems, "trainer.device", t.device, DEVICES)
+    if t.predict_with_generate and cfg.model.task != "seq2seq":
+        problems.append("trainer.predict_with_generate=true is for seq2seq models: set it to false for a causal LM")
     if t.max_steps == 0 or (t.max_steps < 0 and t.num_train_epochs <= 0):
         problems.append("trainer.max_steps/num_train_epochs give no training: set trainer.max_steps>0 or epochs>0")
 

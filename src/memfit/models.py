@@ -113,7 +113,7 @@ def _quantize_random_to_4bit(model: Any) -> Any:
 
     device = next(model.parameters()).device
     dense = {name: module.weight.data for name, module in model.named_modules() if hasattr(module, "weight")}
-    model = replace_with_bnb_linear(model, quantization_config=_four_bit_config())
+    model = replace_with_bnb_linear(model, modules_to_not_convert=["lm_head"], quantization_config=_four_bit_config())
     import bitsandbytes as bnb
 
     for name, module in model.named_modules():

@@ -113,4 +113,8 @@ def training_arguments(cfg: DictConfig, device: str, output_dir: str, has_eval: 
         disable_tqdm=bool(os.environ.get("CI")),
     )
     kwargs.update(_sampling_kwargs(args_cls, mem.group_by_length))
+    if args_cls is Seq2SeqTrainingArguments and t.predict_with_generate:
+        from memfit.config import effective_lengths
+
+        kwargs.update(predict_with_generate=True, generation_max_length=effective_lengths(cfg)[1])
     return args_cls(**kwargs)

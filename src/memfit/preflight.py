@@ -191,6 +191,7 @@ class ProbeSetup:
     vocab_size: int
     steps: int = 2
     accumulation: int = 1  # gradient accumulation: with it, a forward runs while the last micro-batch's grads exist
+    generate: bool = False  # evaluation generates (predict_with_generate): probe generation of the full label length
 
 
 def _free(device: str) -> None:
@@ -237,6 +238,16 @@ def probe(setup: ProbeSetup, shape: BatchShape, eval_shape: BatchShape | None = 
             start = time.perf_counter()
             with torch.no_grad(), _autocast(setup.device, setup.precision):
                 setup.model(**batch)
+                if setup.generate:  # as Seq2SeqTrainer evaluates: generate every row to the label length
+                    length = eval_shape.label
+                    setup.model.generate(
+                        input_ids=batch["input_ids"],
+                        attention_mask=batch["attention_mask"],
+                        max_new_tokens=length,
+                        min_new_tokens=length,
+                        num_beams=1,
+                        do_sample=False,
+                    )
             results.append(
                 Probe(eval_shape, "eval", setup.meter.window_peak(), static, seconds=time.perf_counter() - start)
             )

@@ -109,6 +109,7 @@ def _run_preflight(cfg: DictConfig, ctx: dict[str, Any]) -> Any:
         min(model_vocab, len(built.tokenizer)),
         cfg.preflight.steps,
         cfg.trainer.gradient_accumulation_steps,
+        cfg.trainer.predict_with_generate,
     )
     budget = cap.budget_bytes or (cap.fraction or 1.0) * meter.total_bytes()
     if ctx["device"] != "cuda":  # nothing caps host allocations: never probe past the memory the host has free
