@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -229,7 +228,3 @@ def plot_histogram(audit: LengthAudit, source_raw: np.ndarray, label_raw: np.nda
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
-
-
-def as_dict(audit: LengthAudit) -> dict[str, Any]:
-    return asdict(audit)

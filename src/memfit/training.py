@@ -41,12 +41,11 @@ class MemoryLoggingCallback:
     """At each Trainer log: the window's peak allocated/reserved memory, tokens/s and the Trainer's own numbers.
 
     Cheap by design: reading the allocator's peak counters does not synchronise the GPU, token counts come
-    from the collator on CPU, and metrics go to the tracker's background queue.
+    from the collator on CPU, and the tracker buffers metrics and writes them in batches.
     """
 
     def __init__(self, meter: CudaMeter | HostMeter, tracker: Any, collator: CountingCollator):
         self.meter, self.tracker, self.collator = meter, tracker, collator
-        self.history: list[dict[str, float]] = []
         self._last_time = 0.0
         self._last_tokens = 0
 
@@ -69,7 +68,6 @@ class MemoryLoggingCallback:
             metrics["train/tokens_per_s"] = (tokens - self._last_tokens) / (now - self._last_time)
         self._last_time, self._last_tokens = now, tokens
         self.tracker.log_metrics(metrics, step=state.global_step)
-        self.history.append({"step": state.global_step, **metrics})
 
 
 def make_callback(meter: CudaMeter | HostMeter, tracker: Any, collator: CountingCollator) -> Any:
