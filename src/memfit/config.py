@@ -116,6 +116,7 @@ class TrackingConfig:
     uri: str | None = None
     experiment: str = "memfit"
     run_name: str | None = None
+    parent_run_id: str | None = None  # set by the sweeper: trials nest under the sweep's run in the MLflow UI
 
 
 @dataclass

@@ -343,6 +343,8 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     except (ConfigError, DataError) as err:
         for line in str(err).splitlines():
             print(f"memfit: error: {line}", file=sys.stderr)
+        if _in_multirun():  # one bad trial must not end the sweep: report it instead
+            return RunReport(status="invalid", reason=str(err).splitlines()[0]).to_dict()
         sys.exit(EXIT_BAD_INPUT)
     _write_report(report)
     if report.status != "ok" and not _in_multirun():

@@ -134,6 +134,8 @@ def start_tracking(cfg: DictConfig, run_name: str, tags: dict[str, str]) -> Mlfl
     if cfg.tracking.backend == "none":
         return NullTracker()
     uri = cfg.tracking.uri or default_tracking_uri(cfg.output_dir)
+    if cfg.tracking.parent_run_id:
+        tags = {**tags, "mlflow.parentRunId": cfg.tracking.parent_run_id}
     if uri.startswith("sqlite:///"):
         Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
     return MlflowTracker(uri, cfg.tracking.experiment, run_name, tags)

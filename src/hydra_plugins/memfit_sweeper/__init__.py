@@ -1,0 +1,1 @@
+"""memfit's budget sweeper, a Hydra plugin: hydra/sweeper=memfit (or sweep=budget)."""

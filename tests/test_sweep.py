@@ -1,0 +1,118 @@
+"""memfit's budget sweeper: search-space parsing, how trials are told to Optuna, and a real sweep on CPU."""
+
+from __future__ import annotations
+
+import optuna
+import pytest
+from mlflow.tracking import MlflowClient
+
+from memfit.sweep import outcome_of, parse_search
+from memfit.tracking import default_tracking_uri
+
+from .conftest import run_train_py
+
+
+def test_search_space_from_recipe_and_command_line():
+    space, fixed = parse_search(
+        ["trainer.batch_size=choice(2,4)", "memory.max_label_length=range(32,129,32)", "model=tiny_seq2seq"],
+        {"trainer.batch_size": "choice(1,2,4,8)", "trainer.learning_rate": "tag(log,interval(1e-5,1e-3))"},
+    )
+    assert space["trainer.batch_size"] == optuna.distributions.CategoricalDistribution([2, 4])  # command line wins
+    assert space["memory.max_label_length"] == optuna.distributions.IntDistribution(32, 128, step=32)
+    assert space["trainer.learning_rate"] == optuna.distributions.FloatDistribution(1e-5, 1e-3, log=True)
+    assert fixed == ["model=tiny_seq2seq"]
+
+
+def test_a_run_that_does_not_fit_is_an_infeasible_complete_trial():
+    report = {"status": "preflight_failed", "worst_case_peak_gib": 30.0, "label_coverage": 1.0}
+    outcome = outcome_of(report, None, 23.5, "throughput", 0.99, maximize=True)
+    assert outcome.state == "complete" and outcome.value == 0.0
+    assert outcome.constraints["memory_gib"] == pytest.approx(6.5) and not outcome.feasible
+
+
+def test_an_oom_without_a_measured_size_is_still_infeasible():
+    outcome = outcome_of({"status": "oom", "reason": "oom: at step 9"}, None, 23.5, "throughput", 0.0, maximize=True)
+    assert outcome.state == "complete" and outcome.constraints["memory_gib"] > 0
+
+
+def test_a_fitting_run_is_feasible_unless_coverage_is_too_low():
+    report = {"status": "ok", "worst_case_peak_gib": 20.0, "tokens_per_s": 1234.0, "label_coverage": 0.97}
+    fits = outcome_of(report, None, 23.5, "throughput", 0.95, maximize=True)
+    assert fits.feasible and fits.value == 1234.0
+    assert not outcome_of(report, None, 23.5, "throughput", 0.99, maximize=True).feasible
+
+
+def test_a_crash_is_a_failed_trial_with_its_reason():
+    outcome = outcome_of(None, "ValueError: boom", 23.5, "throughput", 0.0, maximize=True)
+    assert outcome.state == "fail" and outcome.attrs["reason"] == "ValueError: boom"
+
+
+def test_the_sweeper_plugin_is_discovered():
+    out = run_train_py("--info", "plugins", timeout=120)
+    assert "MemfitSweeper" in out.stdout
+
+
+SWEEP = [
+    "-m",
+    "sweep=budget",
+    "model=tiny_seq2seq",
+    "budget.gib=1.6",
+    "trainer.device=cpu",
+    "memory.precision=fp32",
+    "trainer.max_steps=2",
+    "data.max_train_samples=48",
+    "data.max_eval_samples=4",
+    "hydra.sweeper.coverage_floor=0",
+    "trainer.batch_size=choice(2,8,32)",
+    "memory.max_label_length=choice(32,256)",
+    "memory.max_source_length=256",
+]
+
+
+@pytest.mark.slow
+def test_a_budget_sweep_finds_resumes_and_exports_a_preset(tmp_path):
+    common = [*SWEEP, f"output_dir={tmp_path}", f"hydra.sweeper.preset_dir={tmp_path}/presets/preset"]
+    first = run_train_py(*common, "hydra.sweeper.n_trials=6")
+    assert first.returncode == 0, first.stderr[-3000:]
+    study = optuna.load_study(study_name="memfit-tiny_seq2seq-aclsum-1.6GiB", storage=f"sqlite:///{tmp_path}/optuna.db")
+    assert len(study.trials) == 6 and all(t.constraints for t in study.trials)  # a constraint on every trial
+    infeasible = [t for t in study.trials if t.constraints["memory_gib"] > 0]
+    assert infeasible and all(t.state == optuna.trial.TrialState.COMPLETE for t in infeasible)
+    assert {t.user_attrs["status"] for t in infeasible} == {"preflight_failed"}
+
+    client = MlflowClient(default_tracking_uri(str(tmp_path)))
+    runs = client.search_runs([client.get_experiment_by_name("memfit").experiment_id])
+    parents = [r for r in runs if "memfit.sweep" in r.data.tags]
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
+    assert len(children) == 6
+    assert {r.info.status for r in children} == {"FINISHED", "FAILED"}  # infeasible trials end FAILED, with reason
+
+    preset = next((tmp_path / "presets" / "preset").glob("*.yaml"))
+    assert preset.read_text().startswith("# @package _global_")
+    again = run_train_py(*common, "hydra.sweeper.n_trials=8")  # the same command, more trials: resumes
+    assert again.returncode == 0, again.stderr[-3000:]
+    study = optuna.load_study(study_name="memfit-tiny_seq2seq-aclsum-1.6GiB", storage=f"sqlite:///{tmp_path}/optuna.db")
+    assert sorted(t.number for t in study.trials) == list(range(8))
+
+    trained = run_train_py(
+        f"+preset={preset.stem}",
+        "model=tiny_seq2seq",
+        "trainer.device=cpu",
+        "trainer.max_steps=2",
+        "memory.precision=fp32",
+        "data.max_train_samples=48",
+        "data.max_eval_samples=4",
+        "memory.max_source_length=256",
+        f"hydra.searchpath=[file://{tmp_path}/presets]",
+        f"output_dir={tmp_path}/preset_run",
+    )
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    from omegaconf import OmegaConf
+
+    exported = OmegaConf.load(preset)
+    client = MlflowClient(default_tracking_uri(str(tmp_path / "preset_run")))
+    run = client.search_runs([client.get_experiment_by_name("memfit").experiment_id])[0]
+    assert run.info.status == "FINISHED"
+    assert run.data.params["trainer.batch_size"] == str(exported.trainer.batch_size)
+    assert run.data.params["budget.gib"] == "1.6"
