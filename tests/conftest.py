@@ -72,6 +72,17 @@ def train_py_env() -> dict[str, str]:
     return env
 
 
+def readme_command(prefix: str) -> list[str]:
+    """The README's shell command starting with `prefix`, continuation lines joined, split as a shell would."""
+    import shlex
+
+    text = (ROOT / "README.md").read_text().replace("\\\n", " ")
+    for line in text.splitlines():
+        if line.strip().startswith(prefix):
+            return shlex.split(line.strip())
+    raise AssertionError(f"README has no command starting with {prefix!r}")
+
+
 def run_train_py(*args: str, cwd: Path = ROOT, timeout: int = 600) -> subprocess.CompletedProcess:
     """`python train.py ARGS` in a fresh process, as a user runs it."""
     return subprocess.run(

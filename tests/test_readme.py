@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import shlex
 import signal
 import socket
 import subprocess
@@ -16,19 +15,9 @@ from mlflow.tracking import MlflowClient
 
 from memfit.tracking import default_tracking_uri
 
-from .conftest import ROOT, run_train_py
+from .conftest import ROOT, readme_command, run_train_py
 
 pytestmark = pytest.mark.slow
-README = (ROOT / "README.md").read_text()
-
-
-def readme_command(prefix: str) -> list[str]:
-    """The README's shell command starting with `prefix`, continuation lines joined."""
-    text = README.replace("\\\n", " ")
-    for line in text.splitlines():
-        if line.strip().startswith(prefix):
-            return shlex.split(line.strip())
-    raise AssertionError(f"README has no command starting with {prefix!r}")
 
 
 def run_train(argv: list[str], tmp_path, cwd=ROOT) -> subprocess.CompletedProcess:
@@ -115,6 +104,7 @@ def test_compare_policies_then_open_the_mlflow_ui(tmp_path):
 
 def test_readme_test_command_matches_ci():
     ci = (ROOT / ".ci" / "run").read_text()
+    README = (ROOT / "README.md").read_text()  # noqa: N806
     command = re.search(r"^pip install torch==2\.13\.0 -e \"\.\[test\]\" && pytest$", README, re.M)
     assert command and command.group(0) in ci
     assert "pip install torch==2.13.0 -e . && python train.py" in README and "&& python train.py\n" in ci

@@ -5,11 +5,12 @@ from __future__ import annotations
 import optuna
 import pytest
 from mlflow.tracking import MlflowClient
+from omegaconf import OmegaConf
 
 from memfit.sweep import outcome_of, parse_search
 from memfit.tracking import default_tracking_uri
 
-from .conftest import run_train_py
+from .conftest import readme_command, run_train_py
 
 
 def test_search_space_from_recipe_and_command_line():
@@ -52,33 +53,19 @@ def test_the_sweeper_plugin_is_discovered():
     assert "MemfitSweeper" in out.stdout
 
 
-SWEEP = [
-    "-m",
-    "sweep=budget",
-    "model=tiny_seq2seq",
-    "budget.gib=1.6",
-    "trainer.device=cpu",
-    "memory.precision=fp32",
-    "trainer.max_steps=2",
-    "data.max_train_samples=48",
-    "data.max_eval_samples=4",
-    "hydra.sweeper.coverage_floor=0",
-    "trainer.batch_size=choice(2,8,32)",
-    "memory.max_label_length=choice(32,256)",
-    "memory.max_source_length=256",
-]
-
-
 @pytest.mark.slow
-def test_a_budget_sweep_finds_resumes_and_exports_a_preset(tmp_path):
-    common = [*SWEEP, f"output_dir={tmp_path}", f"hydra.sweeper.preset_dir={tmp_path}/presets/preset"]
-    first = run_train_py(*common, "hydra.sweeper.n_trials=6")
+def test_the_readme_budget_sweep_finds_resumes_and_exports_a_preset(tmp_path):
+    sweep = readme_command("python train.py -m sweep=budget")[2:]
+    common = [*sweep, f"output_dir={tmp_path}", f"hydra.sweeper.preset_dir={tmp_path}/presets/preset"]
+    first = run_train_py(*common)
     assert first.returncode == 0, first.stderr[-3000:]
-    study = optuna.load_study(study_name="memfit-tiny_seq2seq-aclsum-1.6GiB", storage=f"sqlite:///{tmp_path}/optuna.db")
+    name, storage = "memfit-tiny_seq2seq-aclsum-1.6GiB", f"sqlite:///{tmp_path}/optuna.db"
+    study = optuna.load_study(study_name=name, storage=storage)
     assert len(study.trials) == 6 and all(t.constraints for t in study.trials)  # a constraint on every trial
     infeasible = [t for t in study.trials if t.constraints["memory_gib"] > 0]
     assert infeasible and all(t.state == optuna.trial.TrialState.COMPLETE for t in infeasible)
     assert {t.user_attrs["status"] for t in infeasible} == {"preflight_failed"}
+    assert "best feasible trial" in first.stderr + first.stdout
 
     client = MlflowClient(default_tracking_uri(str(tmp_path)))
     runs = client.search_runs([client.get_experiment_by_name("memfit").experiment_id])
@@ -88,31 +75,20 @@ def test_a_budget_sweep_finds_resumes_and_exports_a_preset(tmp_path):
     assert len(children) == 6
     assert {r.info.status for r in children} == {"FINISHED", "FAILED"}  # infeasible trials end FAILED, with reason
 
-    preset = next((tmp_path / "presets" / "preset").glob("*.yaml"))
+    preset = tmp_path / "presets" / "preset" / "tiny_seq2seq-aclsum-1.6gib.yaml"
     assert preset.read_text().startswith("# @package _global_")
     again = run_train_py(*common, "hydra.sweeper.n_trials=8")  # the same command, more trials: resumes
     assert again.returncode == 0, again.stderr[-3000:]
-    study = optuna.load_study(study_name="memfit-tiny_seq2seq-aclsum-1.6GiB", storage=f"sqlite:///{tmp_path}/optuna.db")
+    study = optuna.load_study(study_name=name, storage=storage)
     assert sorted(t.number for t in study.trials) == list(range(8))
 
-    trained = run_train_py(
-        f"+preset={preset.stem}",
-        "model=tiny_seq2seq",
-        "trainer.device=cpu",
-        "trainer.max_steps=2",
-        "memory.precision=fp32",
-        "data.max_train_samples=48",
-        "data.max_eval_samples=4",
-        "memory.max_source_length=256",
-        f"hydra.searchpath=[file://{tmp_path}/presets]",
-        f"output_dir={tmp_path}/preset_run",
-    )
+    use = readme_command("python train.py model=tiny_seq2seq +preset=")[2:]
+    trained = run_train_py(*use, f"hydra.searchpath=[file://{tmp_path}/presets]", f"output_dir={tmp_path}/use")
     assert trained.returncode == 0, trained.stderr[-2000:]
-    from omegaconf import OmegaConf
-
     exported = OmegaConf.load(preset)
-    client = MlflowClient(default_tracking_uri(str(tmp_path / "preset_run")))
+    client = MlflowClient(default_tracking_uri(str(tmp_path / "use")))
     run = client.search_runs([client.get_experiment_by_name("memfit").experiment_id])[0]
     assert run.info.status == "FINISHED"
     assert run.data.params["trainer.batch_size"] == str(exported.trainer.batch_size)
+    assert run.data.params["memory.max_label_length"] == str(exported.memory.max_label_length)
     assert run.data.params["budget.gib"] == "1.6"
