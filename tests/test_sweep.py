@@ -92,3 +92,49 @@ def test_the_readme_budget_sweep_finds_resumes_and_exports_a_preset(tmp_path):
     assert run.data.params["trainer.batch_size"] == str(exported.trainer.batch_size)
     assert run.data.params["memory.max_label_length"] == str(exported.memory.max_label_length)
     assert run.data.params["budget.gib"] == "1.6"
+
+
+# A memory-like synthetic problem: peak grows with batch × tokens, throughput saturates in batch and rewards longer
+# labels, so the best feasible configuration sits on the budget boundary, as in real budget searches.
+BATCHES = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
+LABELS = [64, 128, 256, 384, 512, 768, 1024]
+LIMIT_GIB = 24.0
+
+
+def _measure(batch: int, label: int) -> tuple[float, float]:
+    peak = 6.0 + 0.0009 * batch * (1024 + 2.0 * label)
+    tokens_per_s = 10_000 * batch * (1024 + label) / (batch * (1024 + label) + 4000) * (label / 1024) ** 0.3
+    return peak, tokens_per_s
+
+
+def _best_feasible(mode: str, seed: int, trials: int = 30) -> float:
+    sampler = optuna.samplers.RandomSampler(seed=seed) if mode == "random" else optuna.samplers.TPESampler(seed=seed)
+    study = optuna.create_study(direction="maximize", sampler=sampler)
+    space = {
+        "b": optuna.distributions.CategoricalDistribution(BATCHES),
+        "L": optuna.distributions.CategoricalDistribution(LABELS),
+    }
+    best = 0.0
+    for _ in range(trials):
+        trial = study.ask(space)
+        peak, speed = _measure(trial.params["b"], trial.params["L"])
+        fits = peak <= LIMIT_GIB
+        report = {"status": "ok" if fits else "preflight_failed", "worst_case_peak_gib": peak, "tokens_per_s": speed}
+        if mode == "fail" and not fits:  # what a sweeper without constraints does with an OOM
+            study.tell(trial, None, state=optuna.trial.TrialState.FAIL)
+            continue
+        outcome = outcome_of(report, None, LIMIT_GIB, "throughput", 0.0, maximize=True)
+        for key, value in outcome.constraints.items():
+            trial.set_constraint(key, value)
+        study.tell(trial, outcome.value)
+        best = max(best, outcome.value) if outcome.feasible else best
+    return best
+
+
+def test_the_sampler_learns_from_the_memory_constraint():
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    seeds = range(40)
+    mean = {mode: sum(_best_feasible(mode, s) for s in seeds) / len(seeds) for mode in ("memfit", "fail", "random")}
+    optimum = max(_measure(b, lab)[1] for b in BATCHES for lab in LABELS if _measure(b, lab)[0] <= LIMIT_GIB)
+    assert mean["memfit"] > mean["fail"] and mean["memfit"] > mean["random"], mean
+    assert mean["memfit"] > 0.9 * optimum
