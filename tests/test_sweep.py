@@ -64,7 +64,9 @@ def test_the_readme_budget_sweep_finds_resumes_and_exports_a_preset(tmp_path):
     assert len(study.trials) == 6 and all(t.constraints for t in study.trials)  # a constraint on every trial
     infeasible = [t for t in study.trials if t.constraints["memory_gib"] > 0]
     assert infeasible and all(t.state == optuna.trial.TrialState.COMPLETE for t in infeasible)
-    assert {t.user_attrs["status"] for t in infeasible} == {"preflight_failed"}
+    statuses = {t.user_attrs["status"] for t in infeasible}
+    assert "preflight_failed" in statuses and statuses <= {"preflight_failed", "predicted_infeasible"}
+    ran = [t for t in study.trials if t.user_attrs["status"] != "predicted_infeasible"]
     assert "best feasible trial" in first.stderr + first.stdout
 
     client = MlflowClient(default_tracking_uri(str(tmp_path)))
@@ -72,7 +74,7 @@ def test_the_readme_budget_sweep_finds_resumes_and_exports_a_preset(tmp_path):
     parents = [r for r in runs if "memfit.sweep" in r.data.tags]
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
-    assert len(children) == 6
+    assert len(children) == len(ran)  # a trial told without running (it dominates an infeasible one) has no run
     assert {r.info.status for r in children} == {"FINISHED", "FAILED"}  # infeasible trials end FAILED, with reason
 
     preset = tmp_path / "presets" / "preset" / "tiny_seq2seq-aclsum-1.6gib.yaml"
@@ -138,3 +140,21 @@ def test_the_sampler_learns_from_the_memory_constraint():
     optimum = max(_measure(b, lab)[1] for b in BATCHES for lab in LABELS if _measure(b, lab)[0] <= LIMIT_GIB)
     assert mean["memfit"] > mean["fail"] and mean["memfit"] > mean["random"], mean
     assert mean["memfit"] > 0.9 * optimum
+
+
+def test_a_configuration_larger_than_an_infeasible_one_is_not_run():
+    from types import SimpleNamespace
+
+    from memfit.sweep import dominated_by
+
+    oom = SimpleNamespace(
+        number=3,
+        params={"trainer.batch_size": 8, "memory.max_label_length": 256},
+        user_attrs={"status": "preflight_failed"},
+    )
+    fits = SimpleNamespace(
+        number=4, params={"trainer.batch_size": 32, "memory.max_label_length": 32}, user_attrs={"status": "ok"}
+    )
+    assert dominated_by({"trainer.batch_size": 16, "memory.max_label_length": 256}, [fits, oom]) is oom
+    assert dominated_by({"trainer.batch_size": 16, "memory.max_label_length": 128}, [fits, oom]) is None
+    assert dominated_by({"trainer.batch_size": 8, "memory.max_label_length": 256, "x": 1}, [oom]) is None

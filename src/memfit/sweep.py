@@ -131,10 +131,36 @@ def make_sampler(name: str, seed: int | None) -> Any:
     raise ValueError(f"hydra.sweeper.sampler={name!r}: use tpe or random")
 
 
-def _constraint_values(trial: Any) -> list[float]:
-    """A finished trial's constraint values (Optuna 5 keeps them by name)."""
+def _constraint_dict(trial: Any) -> dict[str, float]:
+    """A finished trial's constraints by name (Optuna 5 keeps them so)."""
     constraints = trial.constraints or {}
-    return list(constraints.values()) if isinstance(constraints, dict) else list(constraints)
+    return dict(constraints) if isinstance(constraints, dict) else {f"c{i}": v for i, v in enumerate(constraints)}
+
+
+def _constraint_values(trial: Any) -> list[float]:
+    return list(_constraint_dict(trial).values())
+
+
+# Parameters whose growth never lowers peak memory; every other parameter must match for a comparison.
+MONOTONE_IN_MEMORY = (
+    "trainer.batch_size",
+    "memory.max_source_length",
+    "memory.max_label_length",
+    "memory.eval_batch_size",
+)
+
+
+def dominated_by(params: dict[str, Any], finished: list[Any]) -> Any | None:
+    """The measured infeasible trial that `params` is at least as large as in every memory-monotone parameter
+    (and equal in all others), if any: such a configuration certainly does not fit either."""
+    for other in finished:
+        if other.user_attrs.get("status") not in INFEASIBLE_STATUSES or set(other.params) != set(params):
+            continue
+        if all(
+            params[k] >= other.params[k] if k in MONOTONE_IN_MEMORY else params[k] == other.params[k] for k in params
+        ):
+            return other
+    return None
 
 
 def _value_text(value: Any) -> str:
@@ -232,6 +258,23 @@ class BudgetSweep:
         )
         return outcome
 
+    def _told_without_running(self, study: Any, trial: Any) -> bool:
+        """A trial that certainly cannot fit (it dominates a measured infeasible trial) is told, not run."""
+        import optuna
+
+        blocker = dominated_by(
+            trial.params, study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+        )
+        if blocker is None:
+            return False
+        trial.set_user_attr("status", "predicted_infeasible")
+        trial.set_user_attr("reason", f"at least as large as trial {blocker.number}, which did not fit: not run")
+        for key, value in _constraint_dict(blocker).items():
+            trial.set_constraint(key, value)
+        study.tell(trial, 0.0 if self.settings.direction == "maximize" else 1e9)
+        log.info("trial %d not run: it is at least as large as infeasible trial %d", trial.number, blocker.number)
+        return True
+
     def sweep(self, arguments: list[str]) -> list[Any]:
         space, fixed = parse_search(arguments, dict(self.settings.params or {}))
         if not space:
@@ -244,12 +287,15 @@ class BudgetSweep:
             while done < self.settings.n_trials:
                 count = min(self.settings.n_jobs, self.settings.n_trials - done)
                 trials = [study.ask(space) for _ in range(count)]
+                done += count
+                trials = [t for t in trials if not self._told_without_running(study, t)]
+                if not trials:
+                    continue
                 batch = [self._trial_overrides(t, fixed, parent) for t in trials]
                 returns = self.launcher.launch(batch, initial_job_idx=self.job_idx)
                 self.job_idx += len(returns)
                 for trial, job_return in zip(trials, returns, strict=True):
                     results.append(self._tell(study, trial, job_return))
-                done += count
             best = self._summarise(study, parent)
         except BaseException as err:
             if parent is not None:
