@@ -110,6 +110,7 @@ def test_a_failing_preflight_exits_before_training_with_ways_out(tmp_path, long_
     assert "batch 4 × source" in out.stderr and "labels 304" in out.stderr  # the probed shape is named
     assert "ways out" in out.stderr and "trainer.batch_size=" in out.stderr
     assert "memory.max_label_length=" in out.stderr and "gradient_checkpointing=true" in out.stderr
+    assert "memory.max_source_length=" in out.stderr and "of source tokens" in out.stderr
     client = MlflowClient(default_tracking_uri(str(tmp_path)))
     recorded = client.search_runs([client.get_experiment_by_name("memfit").experiment_id])[0]
     assert recorded.info.status == "FAILED"

@@ -93,7 +93,7 @@ class LengthAudit:
 
 
 def label_coverage(label_raw: np.ndarray, max_label: int) -> float:
-    """Share of label tokens kept when labels are cut to max_label."""
+    """Share of tokens kept when sequences of these raw lengths are cut to max_label (labels or sources)."""
     total = label_raw.sum()
     return float(np.minimum(label_raw, max_label).sum() / total) if total else 1.0
 

@@ -308,6 +308,8 @@ def suggest(
     label_raw: np.ndarray,
     max_label: int,
     memory: Any,
+    source_raw: np.ndarray | None = None,
+    max_source: int = 0,
     trainable_params: int,
     lora_enabled: bool,
 ) -> list[str]:
@@ -333,16 +335,20 @@ def suggest(
             )
             break
     shape = worst.shape
-    if task == "seq2seq" and shape.label > 16:
-        per_label_token = activations / (shape.source + shape.label)
-        shorter = shape.label - math.ceil(need / per_label_token) if need > 0 else shape.label // 2
-        shorter = max(8, shorter)
-        if shorter < shape.label:
+    per_token = activations / (shape.source + shape.label)
+    lengths = [("label", "memory.max_label_length", shape.label, label_raw, max_label)]
+    if task == "seq2seq":
+        lengths.append(("source", "memory.max_source_length", shape.source, source_raw, max_source))
+    for name, knob, current, raw, configured in lengths:
+        if current <= 16:
+            continue
+        shorter = max(8, current - math.ceil(need / per_token) if need > 0 else current // 2)
+        if shorter < current:
             ranked.append(
                 (
-                    per_label_token * (shape.label - shorter),
-                    f"memory.max_label_length={shorter} (keeps {label_coverage(label_raw, shorter):.1%} of "
-                    f"label tokens; {max_label} keeps {label_coverage(label_raw, max_label):.1%})",
+                    per_token * (current - shorter),
+                    f"{knob}={shorter} (keeps {label_coverage(raw, shorter):.1%} of {name} tokens; "
+                    f"{configured} keeps {label_coverage(raw, configured):.1%})",
                 )
             )
     if not memory.gradient_checkpointing:

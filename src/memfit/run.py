@@ -137,6 +137,8 @@ def _run_preflight(cfg: DictConfig, ctx: dict[str, Any]) -> Any:
             label_raw=ctx["prepared"].label_raw,
             max_label=audit.max_label_length,
             memory=cfg.memory,
+            source_raw=ctx["prepared"].source_raw,
+            max_source=audit.max_source_length,
             trainable_params=built.trainable_params,
             lora_enabled=cfg.model.lora.enabled,
         )
