@@ -73,6 +73,7 @@ def test_the_readme_budget_sweep_finds_resumes_and_exports_a_preset(tmp_path):
     runs = client.search_runs([client.get_experiment_by_name("memfit").experiment_id])
     parents = [r for r in runs if "memfit.sweep" in r.data.tags]
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    assert "pareto.png" in [a.path for a in client.list_artifacts(parents[0].info.run_id)]
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
     assert len(children) == len(ran)  # a trial told without running (it dominates an infeasible one) has no run
     assert {r.info.status for r in children} == {"FINISHED", "FAILED"}  # infeasible trials end FAILED, with reason

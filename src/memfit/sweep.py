@@ -324,6 +324,7 @@ class BudgetSweep:
         }
         if parent is not None:
             parent.log_metrics({f"sweep/{k}": v for k, v in counts.items()}, step=0)
+            self._log_pareto_plot(study, parent)
         if not feasible:
             log.warning(
                 "no feasible trial in %d: nothing fits budget.gib=%s in this search space",
@@ -371,6 +372,64 @@ class BudgetSweep:
             preset.stem,
         )
         return summary
+
+    def _log_pareto_plot(self, study: Any, parent: Any) -> None:
+        """Worst-case peak vs tokens/s for every measured trial, the budget line, label coverage as colour."""
+        import tempfile
+
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        points = [
+            (
+                t.user_attrs.get("worst_case_peak_gib"),
+                t.user_attrs.get("tokens_per_s") or 0.0,
+                t.user_attrs.get("label_coverage") or 0.0,
+                t.user_attrs.get("status"),
+            )
+            for t in study.trials
+        ]
+        points = [p for p in points if p[0] is not None]
+        if not points:
+            return
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        fits = [p for p in points if p[3] == "ok"]
+        misses = [p for p in points if p[3] != "ok"]
+        if fits:
+            dots = ax.scatter(
+                [p[0] for p in fits],
+                [p[1] for p in fits],
+                c=[p[2] for p in fits],
+                cmap="viridis",
+                vmin=min(p[2] for p in points),
+                vmax=1.0,
+                label="trained",
+            )
+            fig.colorbar(dots, ax=ax, label="label coverage")
+        if misses:
+            ax.scatter(
+                [p[0] for p in misses],
+                [0.0] * len(misses),
+                marker="x",
+                color="#c44e52",
+                label="did not fit (no training)",
+            )
+        budget = self.config.budget
+        if budget.gib:
+            ax.axvline(budget.gib, color="black", linestyle="--", label=f"budget {budget.gib:g} GiB")
+            ax.axvline(budget.gib - budget.margin_gib, color="grey", linestyle=":", label="budget − margin")
+        ax.set_xlabel("measured worst-case peak (GiB, reserved)")
+        ax.set_ylabel("tokens/s")
+        ax.set_title(study.study_name)
+        ax.legend(loc="best", fontsize=8)
+        fig.tight_layout()
+        with tempfile.TemporaryDirectory() as tmp:
+            path = f"{tmp}/pareto.png"
+            fig.savefig(path, dpi=100)
+            parent.log_artifact(path)
+        plt.close(fig)
 
     def _export_preset(self, study: Any, best: Any) -> Path:
         """`# @package _global_` YAML with the best params (and the accumulation it implies) for +preset=<name>."""
