@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
@@ -44,6 +46,7 @@ def test_tiny_run_records_loss_beside_peak_memory(compose_cfg, tmp_path, model):
     assert recorded.data.tags["memfit.meter"] == "host RSS (CPU)"
     artifacts = [a.path for a in client.list_artifacts(recorded.info.run_id)]
     assert "config.yaml" in artifacts
+    assert recorded.info.artifact_uri.startswith((Path(cfg.output_dir) / "mlartifacts").as_uri())  # not ./mlruns
 
 
 def test_lora_trains_only_the_adapters(compose_cfg):

@@ -209,16 +209,15 @@ class BudgetSweep:
         cfg = self.config
         if cfg.tracking.backend == "none":
             return None
-        from memfit.tracking import MlflowTracker, default_tracking_uri
+        from memfit.tracking import open_run
 
-        uri = cfg.tracking.uri or default_tracking_uri(cfg.output_dir)
         tags = {
             "memfit.sweep": study.study_name,
             "memfit.model": cfg.model.name,
             "memfit.data": cfg.data.name,
             "memfit.budget_gib": "none" if cfg.budget.gib is None else f"{cfg.budget.gib:g}",
         }
-        return MlflowTracker(uri, cfg.tracking.experiment, f"sweep-{study.study_name}", tags)
+        return open_run(cfg, f"sweep-{study.study_name}", tags)
 
     # --- one batch of trials ------------------------------------------------------------------------------------
     def _trial_overrides(self, trial: Any, fixed: list[str], parent: Any) -> list[str]:

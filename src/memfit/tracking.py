@@ -76,13 +76,15 @@ class MlflowTracker:
     flush_every_s = 10.0  # at most this many seconds of metrics are lost if the process is killed
     max_batch = 1000  # MLflow's limit of metrics per log_batch
 
-    def __init__(self, uri: str, experiment: str, run_name: str, tags: dict[str, str]):
+    def __init__(
+        self, uri: str, experiment: str, run_name: str, tags: dict[str, str], artifact_location: str | None = None
+    ):
         from mlflow.tracking import MlflowClient
 
         self.client = MlflowClient(tracking_uri=uri)
         self.uri = uri
         found = self.client.get_experiment_by_name(experiment)
-        experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
+        experiment_id = found.experiment_id if found else self.client.create_experiment(experiment, artifact_location)
         run = self.client.create_run(experiment_id, run_name=run_name, tags=tags)
         self.run_id = run.info.run_id
         self._buffer: list[Any] = []
@@ -130,12 +132,24 @@ class MlflowTracker:
             self.client.set_terminated(self.run_id, status=status)
 
 
+def artifact_location(uri: str, output_dir: str) -> str | None:
+    """Artifacts of a local store go under output_dir too (MLflow would put them in ./mlruns of the cwd);
+    a tracking server keeps its own artifact root."""
+    if uri.startswith(("sqlite:", "file:")) or "://" not in uri:
+        return (Path(output_dir).resolve() / "mlartifacts").as_uri()
+    return None
+
+
+def open_run(cfg: DictConfig, run_name: str, tags: dict[str, str]) -> MlflowTracker:
+    uri = cfg.tracking.uri or default_tracking_uri(cfg.output_dir)
+    if uri.startswith("sqlite:///"):
+        Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    return MlflowTracker(uri, cfg.tracking.experiment, run_name, tags, artifact_location(uri, cfg.output_dir))
+
+
 def start_tracking(cfg: DictConfig, run_name: str, tags: dict[str, str]) -> MlflowTracker | NullTracker:
     if cfg.tracking.backend == "none":
         return NullTracker()
-    uri = cfg.tracking.uri or default_tracking_uri(cfg.output_dir)
     if cfg.tracking.parent_run_id:
         tags = {**tags, "mlflow.parentRunId": cfg.tracking.parent_run_id}
-    if uri.startswith("sqlite:///"):
-        Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-    return MlflowTracker(uri, cfg.tracking.experiment, run_name, tags)
+    return open_run(cfg, run_name, tags)
