@@ -159,3 +159,9 @@ def test_a_configuration_larger_than_an_infeasible_one_is_not_run():
     assert dominated_by({"trainer.batch_size": 16, "memory.max_label_length": 256}, [fits, oom]) is oom
     assert dominated_by({"trainer.batch_size": 16, "memory.max_label_length": 128}, [fits, oom]) is None
     assert dominated_by({"trainer.batch_size": 8, "memory.max_label_length": 256, "x": 1}, [oom]) is None
+
+
+def test_the_constraint_uses_the_limit_the_preflight_judged_by():
+    report = {"status": "ok", "worst_case_peak_gib": 20.0, "limit_gib": 19.0, "tokens_per_s": 1.0}
+    outcome = outcome_of(report, None, 23.5, "throughput", 0.0, maximize=True)
+    assert outcome.constraints["memory_gib"] == pytest.approx(1.0) and not outcome.feasible

@@ -261,7 +261,8 @@ def probe(setup: ProbeSetup, shape: BatchShape, eval_shape: BatchShape | None = 
     return results
 
 
-def _fits(probes: list[Probe], limit: int) -> bool:
+def fits(probes: list[Probe], limit: int) -> bool:
+    """Every probe ran without OOM and within the limit."""
     return all(not p.oom and p.judged_bytes <= limit for p in probes)
 
 
@@ -273,7 +274,7 @@ def find_max_batch(setup: ProbeSetup, shape: BatchShape, limit: int, upper: int)
     """
     measured: dict[int, Probe] = {}
 
-    def fits(batch: int) -> bool:
+    def batch_fits(batch: int) -> bool:
         fitting = [b for b, p in measured.items() if b < batch and not p.oom and p.judged_bytes <= limit]
         if fitting:
             base = measured[max(fitting)]
@@ -282,19 +283,19 @@ def find_max_batch(setup: ProbeSetup, shape: BatchShape, limit: int, upper: int)
                 return False
         probes = probe(setup, BatchShape(batch, shape.source, shape.label))
         measured[batch] = probes[0]
-        return _fits(probes, limit)
+        return fits(probes, limit)
 
     good, bad = 0, None
     batch = max(1, shape.batch)
     while batch <= upper:
-        if not fits(batch):
+        if not batch_fits(batch):
             bad = batch
             break
         good, batch = batch, batch * 2
     if bad is not None:  # bisect between the last fit (or nothing) and the first failure
         while bad - good > 1:
             middle = (good + bad) // 2
-            good, bad = (middle, bad) if fits(middle) else (good, middle)
+            good, bad = (middle, bad) if batch_fits(middle) else (good, middle)
     return good or None
 
 

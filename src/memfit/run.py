@@ -32,6 +32,7 @@ class RunReport:
     peak_allocated_gib: float | None = None
     peak_reserved_gib: float | None = None
     worst_case_peak_gib: float | None = None  # the preflight's measured peak (reserved) on the worst batch
+    limit_gib: float | None = None  # what the preflight judged it against (budget minus margin)
     worst_case_shape: list[int] | None = None  # [batch, source, label]
     max_batch: int | None = None
     label_coverage: float | None = None
@@ -86,7 +87,7 @@ def _log_audit(prepared: Any, tracker: Any) -> None:
 
 def _run_preflight(cfg: DictConfig, ctx: dict[str, Any]) -> Any:
     """Probe the audit's worst batches under the budget; raise PreflightFailed when they do not fit."""
-    from memfit.preflight import PreflightFailed, PreflightReport, ProbeSetup, find_max_batch, probe, suggest
+    from memfit.preflight import PreflightFailed, PreflightReport, ProbeSetup, find_max_batch, fits, probe, suggest
 
     trainer, built, audit = ctx["trainer"], ctx["built"], ctx["prepared"].audit
     cap, meter = ctx["cap"], ctx["meter"]
@@ -122,7 +123,7 @@ def _run_preflight(cfg: DictConfig, ctx: dict[str, Any]) -> Any:
     eval_shape = audit.worst_eval if cfg.memory.eval_enabled else None
     for index, shape in enumerate(audit.worst_train):
         probes += probe(setup, shape, eval_shape if index == 0 else None)
-    passed = all(not p.oom and p.judged_bytes <= limit for p in probes)
+    passed = fits(probes, limit)
     report = PreflightReport(passed, probes, limit, int(budget), meter.label, cfg.model.task)
     if passed and (cfg.preflight.find_max_batch or cfg.preflight_only):
         worst_shape = max(audit.worst_train, key=lambda s: s.tokens)
@@ -248,6 +249,7 @@ def _fill_from_preflight(report: RunReport, preflight: Any, audit: Any) -> None:
         return
     worst = preflight.worst
     report.worst_case_peak_gib = worst.judged_bytes / 1024**3
+    report.limit_gib = preflight.limit_bytes / 1024**3
     report.worst_case_shape = [worst.shape.batch, worst.shape.source, worst.shape.label]
     report.max_batch = preflight.max_batch
 

@@ -108,6 +108,7 @@ def outcome_of(
             "max_batch",
         )
     }
+    limit_gib = report.get("limit_gib") or limit_gib  # the limit the run's own preflight judged by, when it has one
     memory = (peak - limit_gib) if (peak is not None and limit_gib) else (0.0 if status == "ok" else 1.0)
     if status != "ok":
         memory = max(memory, 1e-3)  # an OOM is infeasible even when no size could be measured
