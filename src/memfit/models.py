@@ -109,17 +109,23 @@ def _four_bit_config() -> Any:
 
 def _quantize_random_to_4bit(model: Any) -> Any:
     """Random weights quantized in place to NF4 (bitsandbytes), the memory layout QLoRA trains on."""
+    import bitsandbytes as bnb
+    import torch
     from transformers.integrations.bitsandbytes import replace_with_bnb_linear
 
     device = next(model.parameters()).device
-    dense = {name: module.weight.data for name, module in model.named_modules() if hasattr(module, "weight")}
+    dense = {name: (m.weight.data, m.bias) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    # the replacement modules are built on the meta device: their weights (and biases) come from the dense ones
     model = replace_with_bnb_linear(model, modules_to_not_convert=["lm_head"], quantization_config=_four_bit_config())
-    import bitsandbytes as bnb
-
     for name, module in model.named_modules():
         if isinstance(module, bnb.nn.Linear4bit) and name in dense:
-            module.weight = bnb.nn.Params4bit(dense[name].to("cpu"), requires_grad=False, quant_type="nf4")
-    return model.to(device)
+            weight, bias = dense[name]
+            module.weight = bnb.nn.Params4bit(
+                weight.to("cpu"), requires_grad=False, quant_type="nf4", compress_statistics=True
+            )
+            module.bias = bias
+    model.is_loaded_in_4bit = True  # what from_pretrained(quantization_config=...) sets; peft reads it
+    return model.to(device)  # Params4bit quantize as they reach the GPU
 
 
 def _apply_lora(model: Any, model_cfg: DictConfig, memory: DictConfig) -> Any:
@@ -147,6 +153,12 @@ def _enable_checkpointing(model: Any) -> None:
     else:
         target.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     target.config.use_cache = False
+
+
+def _logical_numel(param: Any) -> int:
+    """Weights a parameter stands for: a 4-bit parameter packs two into each stored byte."""
+    quant_state = getattr(param, "quant_state", None)
+    return quant_state.shape.numel() if quant_state is not None else param.numel()
 
 
 @dataclass
@@ -182,7 +194,7 @@ def build_model(cfg: DictConfig, tokenizer: Any, device: str) -> BuiltModel:
         _enable_checkpointing(model)
         if model_cfg.lora.enabled and hasattr(model, "enable_input_require_grads"):
             model.enable_input_require_grads()  # checkpointed frozen embeddings need a grad path for LoRA
-    total = sum(p.numel() for p in model.parameters())
+    total = sum(_logical_numel(p) for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     random_weights = model_cfg.source == "random" and not model_cfg.name_or_path
     return BuiltModel(model, tokenizer, random_weights, total, trainable)

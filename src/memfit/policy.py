@@ -60,12 +60,15 @@ def apply_budget(cfg: DictConfig, device: str, device_bytes: int) -> BudgetCap:
     fractions = [cfg.memory.memory_fraction] if cfg.memory.memory_fraction else []
     if cfg.budget.enforce and budget:
         fractions.append(budget / device_bytes)
-    if device != "cuda" or not fractions:
+    if device != "cuda":
         return BudgetCap(budget, device_bytes, None, enforced=False)
-    fraction = min(1.0, *fractions)
     import torch
 
+    # Always set: the cap is process-wide and outlives a run, so an earlier run's small budget must not stay.
+    fraction = min(1.0, *fractions) if fractions else 1.0
     torch.cuda.set_per_process_memory_fraction(fraction)
+    if not fractions:
+        return BudgetCap(budget, device_bytes, None, enforced=False)
     return BudgetCap(budget or int(fraction * device_bytes), device_bytes, fraction, enforced=True)
 
 

@@ -185,6 +185,9 @@ def _train(cfg: DictConfig, ctx: dict[str, Any]) -> RunReport:
     except torch.OutOfMemoryError as err:
         reason = _record_oom(ctx, err)
         raise OutOfMemoryInTraining(reason) from err
+    optimizer = ctx["trainer"].optimizer
+    optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the one Trainer built
+    ctx["tracker"].set_tags({"memfit.optimizer": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"})
     meter = ctx["meter"]
     overall = meter.overall
     tokens_per_s = totals.tokens / totals.wall_s if totals.wall_s > 0 else 0.0
