@@ -99,3 +99,20 @@ def test_empty_target_is_reported(compose_cfg, tmp_path, tokenizer):
     cfg = compose_cfg("data=jsonl", f"data.path={path}")
     with pytest.raises(DataError, match="record 2 has an empty 'target'"):
         load_and_tokenize(cfg, tokenizer)
+
+
+def test_data_hub_loads_named_splits_through_datasets(compose_cfg, tmp_path):
+    # load_dataset() resolves a directory of split files exactly as it resolves a hub id: the same code path, offline
+    rows = [{"source": f"paper {i} " + "text " * 8, "target": f"summary {i}"} for i in range(12)]
+    write_jsonl(tmp_path / "train.jsonl", rows)
+    write_jsonl(tmp_path / "validation.jsonl", rows[:3])
+    cfg = compose_cfg("model=tiny_seq2seq", "data=hub", f"data.hub_id={tmp_path}")
+    pairs = load_pairs(cfg.data, cfg.model.task)
+    assert len(pairs["train"]) == 12 and len(pairs["validation"]) == 3
+    assert pairs["validation"][2] == {"source": rows[2]["source"], "target": "summary 2"}
+
+
+def test_an_unreachable_hub_id_is_one_clear_data_error(compose_cfg):
+    cfg = compose_cfg("model=tiny_seq2seq", "data=hub", "data.hub_id=memfit-tests/no-such-dataset")
+    with pytest.raises(DataError, match=r"data.hub_id=memfit-tests/no-such-dataset cannot be loaded .*jsonl"):
+        load_pairs(cfg.data, cfg.model.task)

@@ -173,6 +173,12 @@ def _hub_split(data: DictConfig, task: str, split: str) -> list[dict[str, str]] 
         ds = load_dataset(data.hub_id, data.hub_config, split=split)
     except ValueError:
         return None  # the split does not exist
+    except OSError as err:  # unreachable hub, offline mode, unknown id
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise DataError(
+            f"data.hub_id={data.hub_id} cannot be loaded ({first}): check the id and the network "
+            "(HF_HUB_OFFLINE), or save the data to a file and use data=jsonl|csv|parquet"
+        ) from None
     return _to_pairs(list(ds), data, task, f"data.hub_id={data.hub_id} split {split}")
 
 
