@@ -14,6 +14,9 @@ from hydra.core.global_hydra import GlobalHydra
 
 from memfit.config import register_configs
 
+# Before huggingface_hub is imported anywhere: it reads offline mode once, at import. Nothing here downloads.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 
