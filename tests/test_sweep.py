@@ -26,25 +26,25 @@ def test_search_space_from_recipe_and_command_line():
 
 def test_a_run_that_does_not_fit_is_an_infeasible_complete_trial():
     report = {"status": "preflight_failed", "worst_case_peak_gib": 30.0, "label_coverage": 1.0}
-    outcome = outcome_of(report, None, 23.5, "throughput", 0.99, maximize=True)
+    outcome = outcome_of(report, None, 23.5, ["throughput"], 0.99)
     assert outcome.state == "complete" and outcome.value == 0.0
     assert outcome.constraints["memory_gib"] == pytest.approx(6.5) and not outcome.feasible
 
 
 def test_an_oom_without_a_measured_size_is_still_infeasible():
-    outcome = outcome_of({"status": "oom", "reason": "oom: at step 9"}, None, 23.5, "throughput", 0.0, maximize=True)
+    outcome = outcome_of({"status": "oom", "reason": "oom: at step 9"}, None, 23.5, ["throughput"], 0.0)
     assert outcome.state == "complete" and outcome.constraints["memory_gib"] > 0
 
 
 def test_a_fitting_run_is_feasible_unless_coverage_is_too_low():
     report = {"status": "ok", "worst_case_peak_gib": 20.0, "tokens_per_s": 1234.0, "label_coverage": 0.97}
-    fits = outcome_of(report, None, 23.5, "throughput", 0.95, maximize=True)
+    fits = outcome_of(report, None, 23.5, ["throughput"], 0.95)
     assert fits.feasible and fits.value == 1234.0
-    assert not outcome_of(report, None, 23.5, "throughput", 0.99, maximize=True).feasible
+    assert not outcome_of(report, None, 23.5, ["throughput"], 0.99).feasible
 
 
 def test_a_crash_is_a_failed_trial_with_its_reason():
-    outcome = outcome_of(None, "ValueError: boom", 23.5, "throughput", 0.0, maximize=True)
+    outcome = outcome_of(None, "ValueError: boom", 23.5, ["throughput"], 0.0)
     assert outcome.state == "fail" and outcome.attrs["reason"] == "ValueError: boom"
 
 
@@ -66,7 +66,6 @@ def test_the_readme_budget_sweep_finds_resumes_and_exports_a_preset(tmp_path):
     assert infeasible and all(t.state == optuna.trial.TrialState.COMPLETE for t in infeasible)
     statuses = {t.user_attrs["status"] for t in infeasible}
     assert "preflight_failed" in statuses and statuses <= {"preflight_failed", "predicted_infeasible"}
-    ran = [t for t in study.trials if t.user_attrs["status"] != "predicted_infeasible"]
     assert "best feasible trial" in first.stderr + first.stdout
 
     client = MlflowClient(default_tracking_uri(str(tmp_path)))
@@ -75,8 +74,13 @@ def test_the_readme_budget_sweep_finds_resumes_and_exports_a_preset(tmp_path):
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
     assert "pareto.png" in [a.path for a in client.list_artifacts(parents[0].info.run_id)]
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
-    assert len(children) == len(ran)  # a trial told without running (it dominates an infeasible one) has no run
+    assert sorted(int(r.data.tags["memfit.trial"]) for r in children) == list(range(6))  # every trial, once
     assert {r.info.status for r in children} == {"FINISHED", "FAILED"}  # infeasible trials end FAILED, with reason
+    assert all(
+        "trial/feasible" in r.data.metrics and r.data.tags.get("memfit.reason")
+        for r in children
+        if r.info.status == "FAILED"
+    )
 
     preset = tmp_path / "presets" / "preset" / "tiny_seq2seq-aclsum-1.6gib.yaml"
     assert preset.read_text().startswith("# @package _global_")
@@ -126,7 +130,7 @@ def _best_feasible(mode: str, seed: int, trials: int = 30) -> float:
         if mode == "fail" and not fits:  # what a sweeper without constraints does with an OOM
             study.tell(trial, None, state=optuna.trial.TrialState.FAIL)
             continue
-        outcome = outcome_of(report, None, LIMIT_GIB, "throughput", 0.0, maximize=True)
+        outcome = outcome_of(report, None, LIMIT_GIB, ["throughput"], 0.0)
         for key, value in outcome.constraints.items():
             trial.set_constraint(key, value)
         study.tell(trial, outcome.value)
@@ -163,5 +167,97 @@ def test_a_configuration_larger_than_an_infeasible_one_is_not_run():
 
 def test_the_constraint_uses_the_limit_the_preflight_judged_by():
     report = {"status": "ok", "worst_case_peak_gib": 20.0, "limit_gib": 19.0, "tokens_per_s": 1.0}
-    outcome = outcome_of(report, None, 23.5, "throughput", 0.0, maximize=True)
+    outcome = outcome_of(report, None, 23.5, ["throughput"], 0.0)
     assert outcome.constraints["memory_gib"] == pytest.approx(1.0) and not outcome.feasible
+
+
+SMALL_SWEEP = [
+    "-m",
+    "sweep=budget",
+    "model=tiny_seq2seq",
+    "budget.gib=null",
+    "trainer.device=cpu",
+    "trainer.max_steps=3",
+    "memory.precision=fp32",
+    "memory.max_source_length=64",
+    "memory.max_label_length=32",
+    "data.max_train_samples=24",
+    "data.max_eval_samples=4",
+    "hydra.sweeper.coverage_floor=0",
+    "hydra.sweeper.effective_batch=null",
+    "trainer.seed=range(0,1000)",  # distinct configurations that no measured OOM dominates
+]
+
+
+def _wait_for_running_trial(storage: str, name: str, number: int, proc, timeout: float = 300) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the sweep ended before it could be killed"
+        try:
+            trials = optuna.load_study(study_name=name, storage=storage).trials
+        except KeyError:  # the study is not created yet
+            trials = []
+        if any(t.number == number and t.state == optuna.trial.TrialState.RUNNING for t in trials):
+            time.sleep(1.0)  # let the trial's process get going
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"trial {number} never started")
+
+
+@pytest.mark.slow
+def test_faults_in_trials_and_a_killed_sweeper_lose_nothing(tmp_path):
+    """A trial that OOMs, one that raises, one whose loss turns NaN, one SIGKILLed, then the sweeper itself
+    SIGKILLed mid-trial: after rerunning the same command every trial is in Optuna and MLflow once, with its state
+    and reason, no MLflow run is RUNNING, and the study completes to n_trials."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from .conftest import ROOT, train_py_env
+
+    args = [
+        *SMALL_SWEEP,
+        f"output_dir={tmp_path}",
+        "hydra.sweeper.n_trials=7",
+        f"hydra.sweep.dir={tmp_path}/sweep",
+        f"hydra.sweeper.preset_dir={tmp_path}/preset",
+    ]
+    env = dict(train_py_env(), MEMFIT_FAULTS="trial-1=oom@1,trial-2=crash@1,trial-3=nan@1,trial-4=kill@1")
+    name, storage = "memfit-tiny_seq2seq-aclsum-nobudget", f"sqlite:///{tmp_path}/optuna.db"
+    command = [sys.executable, str(ROOT / "train.py"), *args]
+    first = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for_running_trial(storage, name, 5, first)
+    finally:
+        os.kill(first.pid, signal.SIGKILL)  # the sweeper dies mid-trial; its trial process dies with it
+        first.wait()
+    again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+
+    study = optuna.load_study(study_name=name, storage=storage)
+    trials = sorted(study.trials, key=lambda t: t.number)
+    assert [t.number for t in trials] == list(range(7))  # no duplicated or missing numbers
+    status = {t.number: (t.state.name, t.user_attrs.get("status")) for t in trials}
+    assert status[0] == ("COMPLETE", "ok")
+    assert status[1] == ("COMPLETE", "oom") and trials[1].constraints["memory_gib"] > 0  # infeasible, not FAIL
+    assert status[2] == ("FAIL", "failed") and "injected crash" in trials[2].user_attrs["reason"]
+    assert status[3] == ("FAIL", "nan_loss") and "loss is nan" in trials[3].user_attrs["reason"]
+    assert status[4] == ("FAIL", "failed") and trials[4].user_attrs["reason"] == "killed: by SIGKILL"
+    assert status[5] == ("FAIL", "interrupted")
+    assert trials[6].user_attrs["retry_of"] == 5 and status[6] == ("COMPLETE", "ok")
+
+    client = MlflowClient(default_tracking_uri(str(tmp_path)))
+    runs = client.search_runs([client.get_experiment_by_name("memfit").experiment_id])
+    parents = [r for r in runs if "memfit.sweep" in r.data.tags]
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"  # the rerun continued the same parent
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
+    assert sorted(int(r.data.tags["memfit.trial"]) for r in children) == list(range(7))  # each trial once
+    by_trial = {int(r.data.tags["memfit.trial"]): r for r in children}
+    assert not [r for r in runs if r.info.status == "RUNNING"]
+    assert by_trial[1].info.status == "FAILED" and by_trial[1].data.tags["memfit.reason"].startswith("oom: at step")
+    assert by_trial[3].data.tags["memfit.reason"].startswith("nan_loss")
+    assert by_trial[4].info.status == "KILLED" and by_trial[5].info.status == "KILLED"
+    assert by_trial[6].info.status == "FINISHED" and "train/loss" in by_trial[6].data.metrics

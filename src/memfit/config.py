@@ -101,6 +101,7 @@ class TrainerConfig:
     warmup_steps: int = 0
     max_steps: int = -1
     num_train_epochs: float = 1.0
+    max_train_tokens: int | None = None  # stop once this many real tokens were trained on (fixed token budget)
     logging_steps: int = 1
     eval_steps: int | None = None
     save_steps: int | None = None
@@ -117,6 +118,7 @@ class TrackingConfig:
     experiment: str = "memfit"
     run_name: str | None = None
     parent_run_id: str | None = None  # set by the sweeper: trials nest under the sweep's run in the MLflow UI
+    run_id: str | None = None  # log into this existing run instead of a new one (the sweeper pre-creates trial runs)
 
 
 @dataclass
@@ -254,6 +256,7 @@ def _validate_trainer(cfg: DictConfig, problems: list[str]) -> None:
     _positive(problems, "trainer.logging_steps", t.logging_steps, "use 1 to log every step")
     _positive(problems, "trainer.eval_steps", t.eval_steps, "use a positive step count or null")
     _positive(problems, "trainer.save_steps", t.save_steps, "use a positive step count or null")
+    _positive(problems, "trainer.max_train_tokens", t.max_train_tokens, "use a positive token count or null")
     _choice(problems, "trainer.device", t.device, DEVICES)
     if t.predict_with_generate and cfg.model.task != "seq2seq":
         problems.append("trainer.predict_with_generate=true is for seq2seq models: set it to false for a causal LM")

@@ -26,7 +26,7 @@ EXIT_BAD_INPUT, EXIT_RUN_FAILED, EXIT_PREFLIGHT_FAILED = 2, 1, 3
 
 @dataclass
 class RunReport:
-    status: str  # ok | oom | preflight_failed | failed
+    status: str  # ok | oom | preflight_failed | nan_loss | failed | invalid
     reason: str | None = None
     objective: float | None = None  # tokens/s of training
     peak_allocated_gib: float | None = None
@@ -37,7 +37,9 @@ class RunReport:
     max_batch: int | None = None
     label_coverage: float | None = None
     tokens_per_s: float | None = None
-    final_loss: float | None = None
+    final_loss: float | None = None  # the last logged training loss
+    eval_loss: float | None = None  # evaluation loss at the last step, when there is validation data
+    train_tokens: int | None = None
     steps: int = 0
     run_id: str | None = None
     meter: str | None = None
@@ -200,6 +202,8 @@ def _train(cfg: DictConfig, ctx: dict[str, Any]) -> RunReport:
     }
     if totals.final_loss is not None:
         summary["summary/final_loss"] = totals.final_loss
+    if totals.eval_loss is not None:
+        summary["summary/eval_loss"] = totals.eval_loss
     ctx["tracker"].log_metrics(summary, step=totals.steps)
     return RunReport(
         status="ok",
@@ -208,12 +212,15 @@ def _train(cfg: DictConfig, ctx: dict[str, Any]) -> RunReport:
         peak_reserved_gib=overall.reserved_gib,
         tokens_per_s=tokens_per_s,
         final_loss=totals.final_loss,
+        eval_loss=totals.eval_loss,
+        train_tokens=totals.tokens,
         steps=totals.steps,
     )
 
 
 def _prepare_training(cfg: DictConfig, ctx: dict[str, Any]) -> None:
     """Model, collator, callback and Trainer: everything the preflight and training share."""
+    from memfit import faults
     from memfit.data import CountingCollator, model_columns
     from memfit.models import build_model
     from memfit.policy import training_arguments
@@ -235,14 +242,15 @@ def _prepare_training(cfg: DictConfig, ctx: dict[str, Any]) -> None:
         " (random weights)" if built.random_weights else "",
     )
     collator = CountingCollator(ctx["tokenizer"], cfg.memory.pad_to_multiple_of, cfg.model.task)
-    callback = make_callback(ctx["meter"], ctx["tracker"], collator)
+    callback = make_callback(ctx["meter"], ctx["tracker"], collator, cfg.trainer.max_train_tokens)
+    callbacks = [callback, *faults.callbacks_for(run_name(cfg))]
     ready = {split: model_columns(ds) for split, ds in ctx["prepared"].datasets.items()}
     output_dir = str(Path(cfg.output_dir) / "checkpoints" / run_name(cfg))
     args = training_arguments(cfg, ctx["device"], output_dir, has_eval="validation" in ready)
     ctx.update(
         built=built,
         collator=collator,
-        trainer=build_trainer(cfg, built.model, ctx["tokenizer"], ready, args, collator, [callback]),
+        trainer=build_trainer(cfg, built.model, ctx["tokenizer"], ready, args, collator, callbacks),
     )
 
 
@@ -299,14 +307,18 @@ def run(cfg: DictConfig) -> RunReport:
         _fill_from_preflight(report, err.report, prepared.audit)
         return report
     except (Exception, KeyboardInterrupt) as err:
-        status = "oom" if _is_oom(err) else "failed"
+        from memfit.training import NonFiniteLoss
+
+        status = "oom" if _is_oom(err) else "nan_loss" if isinstance(err, NonFiniteLoss) else "failed"
         first_line = str(err).splitlines()[0] if str(err) else ""
         reason = (
-            first_line if isinstance(err, OutOfMemoryInTraining) else f"{status}: {type(err).__name__}: {first_line}"
+            first_line
+            if isinstance(err, OutOfMemoryInTraining | NonFiniteLoss)
+            else f"{status}: {type(err).__name__}: {first_line}"
         )
         tracker.finish("KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED", reason)
-        if status == "oom":
-            return RunReport(status="oom", reason=reason, run_id=tracker.run_id, meter=meter.label)
+        if status in ("oom", "nan_loss"):
+            return RunReport(status=status, reason=reason, run_id=tracker.run_id, meter=meter.label)
         raise
     report.run_id, report.meter = tracker.run_id, meter.label
     _fill_from_preflight(report, preflight, prepared.audit)
@@ -350,9 +362,15 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     except (ConfigError, DataError) as err:
         for line in str(err).splitlines():
             print(f"memfit: error: {line}", file=sys.stderr)
+        invalid = RunReport(status="invalid", reason=str(err).splitlines()[0])
+        _write_report(invalid)
         if _in_multirun():  # one bad trial must not end the sweep: report it instead
-            return RunReport(status="invalid", reason=str(err).splitlines()[0]).to_dict()
+            return invalid.to_dict()
         sys.exit(EXIT_BAD_INPUT)
+    except Exception as err:  # recorded FAILED in MLflow by run(); report.json says so too, for a sweeper
+        first_line = str(err).splitlines()[0] if str(err) else ""
+        _write_report(RunReport(status="failed", reason=f"failed: {type(err).__name__}: {first_line}"))
+        raise
     _write_report(report)
     if report.status != "ok" and not _in_multirun():
         print(f"memfit: {report.status}: {report.reason}", file=sys.stderr)

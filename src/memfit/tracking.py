@@ -77,16 +77,29 @@ class MlflowTracker:
     max_batch = 1000  # MLflow's limit of metrics per log_batch
 
     def __init__(
-        self, uri: str, experiment: str, run_name: str, tags: dict[str, str], artifact_location: str | None = None
+        self,
+        uri: str,
+        experiment: str,
+        run_name: str,
+        tags: dict[str, str],
+        artifact_location: str | None = None,
+        run_id: str | None = None,
     ):
         from mlflow.tracking import MlflowClient
 
         self.client = MlflowClient(tracking_uri=uri)
         self.uri = uri
-        found = self.client.get_experiment_by_name(experiment)
-        experiment_id = found.experiment_id if found else self.client.create_experiment(experiment, artifact_location)
-        run = self.client.create_run(experiment_id, run_name=run_name, tags=tags)
-        self.run_id = run.info.run_id
+        if run_id:  # continue a run someone created (the sweeper, or an interrupted run being resumed)
+            self.run_id = run_id
+            self.client.update_run(run_id, status="RUNNING", name=run_name)
+            for key, value in tags.items():
+                self.client.set_tag(run_id, key, value)
+        else:
+            found = self.client.get_experiment_by_name(experiment)
+            experiment_id = (
+                found.experiment_id if found else self.client.create_experiment(experiment, artifact_location)
+            )
+            self.run_id = self.client.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id
         self._buffer: list[Any] = []
         self._last_flush = time.monotonic()
         log.info("MLflow run %s (%s) in %s", run_name, self.run_id, mask_credentials(uri))
@@ -131,6 +144,17 @@ class MlflowTracker:
                 self.client.set_tag(self.run_id, "memfit.reason", mask_credentials(reason)[:5000])
             self.client.set_terminated(self.run_id, status=status)
 
+    def status(self) -> str:
+        return self.client.get_run(self.run_id).info.status
+
+    def finish_if_running(self, status: str, reason: str) -> bool:
+        """End a run whose process died before it could (SIGKILL, a killed sweeper): never left RUNNING."""
+        if self.status() != "RUNNING":
+            self.flush()
+            return False
+        self.finish(status, reason)
+        return True
+
 
 def artifact_location(uri: str, output_dir: str) -> str | None:
     """Artifacts of a local store go under output_dir too (MLflow would put them in ./mlruns of the cwd);
@@ -140,11 +164,18 @@ def artifact_location(uri: str, output_dir: str) -> str | None:
     return None
 
 
-def open_run(cfg: DictConfig, run_name: str, tags: dict[str, str]) -> MlflowTracker:
+def tracking_uri(cfg: DictConfig) -> str:
     uri = cfg.tracking.uri or default_tracking_uri(cfg.output_dir)
     if uri.startswith("sqlite:///"):
         Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-    return MlflowTracker(uri, cfg.tracking.experiment, run_name, tags, artifact_location(uri, cfg.output_dir))
+    return uri
+
+
+def open_run(cfg: DictConfig, run_name: str, tags: dict[str, str], run_id: str | None = None) -> MlflowTracker:
+    uri = tracking_uri(cfg)
+    return MlflowTracker(
+        uri, cfg.tracking.experiment, run_name, tags, artifact_location(uri, cfg.output_dir), run_id=run_id
+    )
 
 
 def start_tracking(cfg: DictConfig, run_name: str, tags: dict[str, str]) -> MlflowTracker | NullTracker:
@@ -152,4 +183,4 @@ def start_tracking(cfg: DictConfig, run_name: str, tags: dict[str, str]) -> Mlfl
         return NullTracker()
     if cfg.tracking.parent_run_id:
         tags = {**tags, "mlflow.parentRunId": cfg.tracking.parent_run_id}
-    return open_run(cfg, run_name, tags)
+    return open_run(cfg, run_name, tags, run_id=cfg.tracking.get("run_id"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -29,12 +30,17 @@ def _trainer_callback_base() -> type:
     return TrainerCallback
 
 
+class NonFiniteLoss(RuntimeError):
+    """The loss became NaN or infinite: training stops at once instead of burning the rest of its budget."""
+
+
 @dataclass
 class TrainingTotals:
     steps: int
     tokens: int
     wall_s: float
     final_loss: float | None
+    eval_loss: float | None = None
 
 
 class MemoryLoggingCallback:
@@ -44,14 +50,21 @@ class MemoryLoggingCallback:
     from the collator on CPU, and the tracker buffers metrics and writes them in batches.
     """
 
-    def __init__(self, meter: CudaMeter | HostMeter, tracker: Any, collator: CountingCollator):
+    def __init__(
+        self, meter: CudaMeter | HostMeter, tracker: Any, collator: CountingCollator, max_train_tokens: int | None
+    ):
         self.meter, self.tracker, self.collator = meter, tracker, collator
+        self.max_train_tokens = max_train_tokens
         self._last_time = 0.0
         self._last_tokens = 0
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.meter.reset_window()
         self._last_time, self._last_tokens = time.perf_counter(), self.collator.tokens
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.max_train_tokens and self.collator.tokens >= self.max_train_tokens:
+            control.should_training_stop = True  # the token budget is spent: the same data for every batch size
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **kwargs: Any) -> None:
         logs = logs or {}
@@ -68,12 +81,18 @@ class MemoryLoggingCallback:
             metrics["train/tokens_per_s"] = (tokens - self._last_tokens) / (now - self._last_time)
         self._last_time, self._last_tokens = now, tokens
         self.tracker.log_metrics(metrics, step=state.global_step)
+        loss = metrics.get("train/loss", metrics.get("eval/loss"))
+        if loss is not None and not math.isfinite(loss):
+            self.tracker.flush()  # the non-finite step is in the store before the run ends
+            raise NonFiniteLoss(f"nan_loss: loss is {loss} at step {state.global_step}")
 
 
-def make_callback(meter: CudaMeter | HostMeter, tracker: Any, collator: CountingCollator) -> Any:
+def make_callback(
+    meter: CudaMeter | HostMeter, tracker: Any, collator: CountingCollator, max_train_tokens: int | None = None
+) -> Any:
     """The callback as a real TrainerCallback subclass (transformers is imported only here)."""
     cls = type("MemfitMemoryCallback", (MemoryLoggingCallback, _trainer_callback_base()), {})
-    return cls(meter, tracker, collator)
+    return cls(meter, tracker, collator, max_train_tokens)
 
 
 def build_trainer(
@@ -99,11 +118,26 @@ def build_trainer(
     return trainer
 
 
+def _final_eval_loss(trainer: Any, last_step: int) -> float | None:
+    """Eval loss at the last step: the Trainer's own when it evaluated there, else one evaluation now (training
+    stopped early, e.g. on its token budget)."""
+    if trainer.eval_dataset is None:
+        return None
+    evals = [h for h in trainer.state.log_history if "eval_loss" in h]
+    if evals and evals[-1].get("step") == last_step:
+        return evals[-1]["eval_loss"]
+    return trainer.evaluate().get("eval_loss")
+
+
 def train(trainer: Any, collator: CountingCollator) -> TrainingTotals:
     start = time.perf_counter()
     result = trainer.train()
-    wall = time.perf_counter() - start
+    wall = time.perf_counter() - start  # training only: the closing evaluation below is not in tokens/s
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return TrainingTotals(
-        steps=result.global_step, tokens=collator.tokens, wall_s=wall, final_loss=losses[-1] if losses else None
+        steps=result.global_step,
+        tokens=collator.tokens,
+        wall_s=wall,
+        final_loss=losses[-1] if losses else None,
+        eval_loss=_final_eval_loss(trainer, result.global_step),
     )

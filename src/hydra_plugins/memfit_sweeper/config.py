@@ -9,16 +9,20 @@ from hydra.core.config_store import ConfigStore
 @dataclass
 class MemfitSweeperConf:
     _target_: str = "hydra_plugins.memfit_sweeper.memfit_sweeper.MemfitSweeper"
-    n_trials: int = 8  # trials in the study, counting those of earlier runs of the same study (resume)
+    n_trials: int = 8  # trials run (or told without running) per study, counting earlier runs of it (resume)
     n_jobs: int = 1  # trials launched together per batch
     storage: str | None = None  # SQLAlchemy URL; null: sqlite:///<output_dir>/optuna.db
     study_name: str | None = None  # null: memfit-<model>-<data>-<budget>
     sampler: str = "tpe"  # tpe | random
     seed: int | None = 0
-    direction: str = "maximize"  # maximize tokens/s (objective=throughput) | minimize (objective=loss)
-    objective: str = "throughput"  # throughput: tokens/s of the timed segment | loss: final eval (or train) loss
+    direction: str | None = None  # null: the objective's own (maximize throughput, minimize loss)
+    objective: str = "throughput"  # throughput | loss | coverage | peak | pareto
+    pareto: list[str] = field(default_factory=lambda: ["throughput", "loss"])  # objectives of objective=pareto
     coverage_floor: float = 0.0  # a trial keeping less than this share of label tokens is infeasible
     effective_batch: int | None = None  # hold batch × accumulation: accumulation = ceil(effective_batch / batch)
+    isolation: str = "process"  # process: a fresh python process per trial | none: trials in the sweeper's process
+    trial_timeout_s: float | None = None  # process isolation: a trial still running after this is killed, FAIL
+    budgets: list[float] | None = None  # a budget ladder: one study per budget, smallest first, measurements reused
     preset_dir: str = "sweeps/preset"  # where the best feasible configuration is exported (relative to launch dir)
     params: dict[str, str] = field(default_factory=dict)  # search space in Hydra override syntax
 

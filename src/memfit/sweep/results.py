@@ -1,0 +1,228 @@
+"""What a finished budget sweep leaves behind: optimization_results.yaml, the best configuration as a preset,
+the Pareto plot on the parent MLflow run, and for a ladder one summary table over all budgets."""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from memfit.sweep.outcome import constraint_dict, directions, is_feasible
+
+log = logging.getLogger("memfit.sweep")
+
+
+def _dominates(a: list[float], b: list[float], dirs: list[str]) -> bool:
+    better = [(x >= y) if d == "maximize" else (x <= y) for x, y, d in zip(a, b, dirs, strict=True)]
+    strictly = [(x > y) if d == "maximize" else (x < y) for x, y, d in zip(a, b, dirs, strict=True)]
+    return all(better) and any(strictly)
+
+
+def pareto_front(trials: list[Any], dirs: list[str]) -> list[Any]:
+    """The feasible trials no other feasible trial beats in every objective."""
+    return [t for t in trials if not any(_dominates(o.values, t.values, dirs) for o in trials if o is not t)]
+
+
+def _counts(study: Any) -> dict[str, int]:
+    import optuna
+
+    return {
+        "trials": len(study.trials),
+        "feasible": len([t for t in study.trials if is_feasible(t)]),
+        "infeasible": len([t for t in study.trials if any(c > 0 for c in constraint_dict(t).values())]),
+        "failed": len([t for t in study.trials if t.state == optuna.trial.TrialState.FAIL]),
+    }
+
+
+def _describe(trial: Any, names: list[str]) -> dict[str, Any]:
+    return {
+        "trial": trial.number,
+        "values": dict(zip(names, trial.values, strict=True)),
+        "params": trial.params,
+        "worst_case_peak_gib": trial.user_attrs.get("worst_case_peak_gib"),
+        "tokens_per_s": trial.user_attrs.get("tokens_per_s"),
+        "label_coverage": trial.user_attrs.get("label_coverage"),
+    }
+
+
+def summarise(study: Any, sweep: Any, parent: Any) -> dict[str, Any] | None:
+    """optimization_results.yaml, the preset of the best feasible trial, the log line a user reads at the end."""
+    names = sweep.objectives
+    dirs = directions(names)
+    feasible = [t for t in study.trials if is_feasible(t)]
+    sweep_dir = Path(sweep.config.hydra.sweep.dir)
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    counts = _counts(study)
+    results_path = sweep_dir / f"optimization_results-{study.study_name}.yaml"
+    if parent is not None:
+        parent.log_metrics({f"sweep/{k}": v for k, v in counts.items()}, step=0)
+    if not feasible:
+        log.warning(
+            "no feasible trial in %d: nothing fits budget.gib=%s in this search space",
+            len(study.trials),
+            sweep.budget_gib,
+        )
+        OmegaConf.save(OmegaConf.create({"name": study.study_name, **counts, "best": None}), results_path)
+        _link_latest(results_path)
+        return None
+    front = pareto_front(feasible, dirs)
+    pick = max if dirs[0] == "maximize" else min
+    best = pick(front, key=lambda t: t.values[0])  # pareto mode: the front's best in the first objective
+    preset = export_preset(study, best, sweep)
+    summary = {
+        "name": study.study_name,
+        "budget_gib": sweep.budget_gib,
+        "objectives": names,
+        **counts,
+        "best_trial": best.number,
+        "best_value": best.values[0],
+        "best_params": best.params,
+        "worst_case_peak_gib": best.user_attrs.get("worst_case_peak_gib"),
+        "tokens_per_s": best.user_attrs.get("tokens_per_s"),
+        "label_coverage": best.user_attrs.get("label_coverage"),
+        "preset": str(preset),
+    }
+    if len(names) > 1:
+        summary["pareto_front"] = [_describe(t, names) for t in front]
+    OmegaConf.save(OmegaConf.create(summary), results_path)
+    _link_latest(results_path)
+    if parent is not None:
+        parent.log_metrics(
+            {
+                "best/value": best.values[0],
+                "best/worst_case_peak_gib": best.user_attrs.get("worst_case_peak_gib") or 0.0,
+            },
+            step=0,
+        )
+        parent.set_tags({"memfit.best_trial": str(best.number), "memfit.preset": str(preset)})
+        parent.log_artifact(str(results_path))
+    log.info(
+        "best feasible trial %d: %s = %s, worst-case peak %.2f GiB, %.0f tokens/s, label coverage %.1f%%, "
+        "params %s; preset written to %s (load it with: python train.py +preset=%s)%s",
+        best.number,
+        names[0],
+        f"{best.values[0]:.4g}",
+        best.user_attrs.get("worst_case_peak_gib") or float("nan"),
+        best.user_attrs.get("tokens_per_s") or 0.0,
+        100 * (best.user_attrs.get("label_coverage") or 0),
+        best.params,
+        preset,
+        preset.stem,
+        f"; Pareto front of {len(front)} trials in {results_path}" if len(names) > 1 else "",
+    )
+    return summary
+
+
+def _link_latest(path: Path) -> None:
+    """optimization_results.yaml: the name Hydra's Optuna sweeper users look for, for the last study."""
+    (path.parent / "optimization_results.yaml").write_text(path.read_text())
+
+
+def export_preset(study: Any, best: Any, sweep: Any) -> Path:
+    """`# @package _global_` YAML with the best params (and the accumulation it implies) for +preset=<name>."""
+    cfg = sweep.config
+    settings = dict(best.params)
+    effective = sweep.settings.effective_batch
+    if effective and "trainer.batch_size" in settings and "trainer.gradient_accumulation_steps" not in settings:
+        settings["trainer.gradient_accumulation_steps"] = math.ceil(effective / settings["trainer.batch_size"])
+    settings["budget.gib"] = sweep.budget_gib
+    node = OmegaConf.create()
+    for key, value in settings.items():
+        OmegaConf.update(node, key, value, force_add=True)
+    root = Path(cfg.hydra.runtime.cwd)
+    directory = Path(sweep.settings.preset_dir)
+    directory = directory if directory.is_absolute() else root / directory
+    directory.mkdir(parents=True, exist_ok=True)
+    budget = f"{sweep.budget_gib:g}gib" if sweep.budget_gib else "nobudget"
+    path = directory / f"{cfg.model.name}-{cfg.data.name}-{budget}.yaml"
+    header = (
+        f"# @package _global_\n# Best feasible configuration of study {study.study_name} (trial {best.number}, "
+        f"{sweep.objectives[0]} {best.values[0]:.4g}, worst-case peak "
+        f"{best.user_attrs.get('worst_case_peak_gib') or float('nan'):.2f} GiB).\n"
+        f"# Use: python train.py model={cfg.model.name} data={cfg.data.name} +preset={path.stem}\n"
+    )
+    path.write_text(header + OmegaConf.to_yaml(node))
+    return path
+
+
+def ladder_table(rows: list[tuple[float, dict[str, Any] | None]], effective_batch: int | None) -> str:
+    """Markdown: budget → batch, accumulation, lengths, worst-case peak, tokens/s, coverage, preset."""
+    lines = [
+        "| budget GiB | batch | accumulation | max source | max label | worst-case peak GiB | tokens/s "
+        "| label coverage | preset |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for budget, summary in rows:
+        if summary is None:
+            lines.append(f"| {budget:g} | nothing fits | | | | | | | |")
+            continue
+        params = summary["best_params"]
+        batch = params.get("trainer.batch_size", "")
+        accumulation = params.get("trainer.gradient_accumulation_steps") or (
+            math.ceil(effective_batch / batch) if effective_batch and batch else ""
+        )
+        lines.append(
+            f"| {budget:g} | {batch} | {accumulation} | {params.get('memory.max_source_length', '')} "
+            f"| {params.get('memory.max_label_length', '')} | {summary['worst_case_peak_gib'] or float('nan'):.2f} "
+            f"| {summary['tokens_per_s'] or 0:.0f} | {100 * (summary['label_coverage'] or 0):.1f}% "
+            f"| {Path(summary['preset']).stem} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def log_pareto_plot(study: Any, sweep: Any, parent: Any) -> None:
+    """Worst-case peak vs tokens/s for every measured trial, the budget line, label coverage as colour."""
+    import tempfile
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = [
+        (
+            t.user_attrs.get("worst_case_peak_gib"),
+            t.user_attrs.get("tokens_per_s") or 0.0,
+            t.user_attrs.get("label_coverage") or 0.0,
+            t.user_attrs.get("status"),
+        )
+        for t in study.trials
+    ]
+    points = [p for p in points if p[0] is not None]
+    if not points:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fits = [p for p in points if p[3] == "ok"]
+    misses = [p for p in points if p[3] != "ok"]
+    if fits:
+        dots = ax.scatter(
+            [p[0] for p in fits],
+            [p[1] for p in fits],
+            c=[p[2] for p in fits],
+            cmap="viridis",
+            vmin=min(p[2] for p in points),
+            vmax=1.0,
+            label="trained",
+        )
+        fig.colorbar(dots, ax=ax, label="label coverage")
+    if misses:
+        ax.scatter(
+            [p[0] for p in misses], [0.0] * len(misses), marker="x", color="#c44e52", label="did not fit (no training)"
+        )
+    if sweep.budget_gib:
+        margin = sweep.config.budget.margin_gib
+        ax.axvline(sweep.budget_gib, color="black", linestyle="--", label=f"budget {sweep.budget_gib:g} GiB")
+        ax.axvline(sweep.budget_gib - margin, color="grey", linestyle=":", label="budget − margin")
+    ax.set_xlabel("measured worst-case peak (GiB, reserved)")
+    ax.set_ylabel("tokens/s")
+    ax.set_title(study.study_name)
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/pareto.png"
+        fig.savefig(path, dpi=100)
+        parent.log_artifact(path)
+    plt.close(fig)

@@ -1,0 +1,69 @@
+"""The search space: Hydra sweep overrides → Optuna distributions, and which configurations certainly cannot fit."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def distribution_for(override: Any) -> Any:
+    """An Optuna distribution from a Hydra sweep override: choice(...), range(...), interval(...), tag(log, ...)."""
+    import optuna.distributions as d
+    from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, RangeSweep
+
+    value = override.value()
+    if isinstance(value, ChoiceSweep):
+        return d.CategoricalDistribution(list(value.list))
+    if isinstance(value, RangeSweep):
+        if all(isinstance(x, int) for x in (value.start, value.stop, value.step)):
+            last = value.start + ((value.stop - 1 - value.start) // value.step) * value.step
+            return d.IntDistribution(value.start, last, step=value.step)
+        return d.FloatDistribution(value.start, value.stop, step=value.step)
+    if isinstance(value, IntervalSweep):
+        log_scale = "log" in value.tags
+        if "int" in value.tags or all(isinstance(x, int) for x in (value.start, value.end)):
+            return d.IntDistribution(int(value.start), int(value.end), log=log_scale)
+        return d.FloatDistribution(value.start, value.end, log=log_scale)
+    raise ValueError(f"{override.input_line}: use choice(...), range(...) or interval(...) to search a parameter")
+
+
+def parse_search(arguments: list[str], params: dict[str, str]) -> tuple[dict[str, Any], list[str]]:
+    """(search space, fixed overrides) from the recipe's params and the command line (the command line wins)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    space: dict[str, Any] = {}
+    fixed: dict[str, str] = {}
+    lines = [f"{k}={v}" for k, v in params.items()] + list(arguments)
+    for override in parser.parse_overrides(lines):
+        key = override.get_key_element()
+        if override.is_sweep_override():
+            space[key] = distribution_for(override)
+            fixed.pop(key, None)
+        else:
+            fixed[key] = override.input_line
+            space.pop(key, None)
+    return space, list(fixed.values())
+
+
+# Parameters whose growth never lowers peak memory; every other parameter must match for a comparison.
+MONOTONE_IN_MEMORY = (
+    "trainer.batch_size",
+    "memory.max_source_length",
+    "memory.max_label_length",
+    "memory.eval_batch_size",
+)
+
+INFEASIBLE_STATUSES = ("preflight_failed", "oom")
+
+
+def dominated_by(params: dict[str, Any], finished: list[Any]) -> Any | None:
+    """The measured infeasible trial that `params` is at least as large as in every memory-monotone parameter
+    (and equal in all others), if any: such a configuration certainly does not fit either."""
+    for other in finished:
+        if other.user_attrs.get("status") not in INFEASIBLE_STATUSES or set(other.params) != set(params):
+            continue
+        if all(
+            params[k] >= other.params[k] if k in MONOTONE_IN_MEMORY else params[k] == other.params[k] for k in params
+        ):
+            return other
+    return None

@@ -1,0 +1,324 @@
+"""The budget sweep behind hydra/sweeper=memfit: Optuna 5 ask/tell, one trial per fresh process by default.
+
+Every trial is told to Optuna with its measured worst-case peak minus the budget as a constraint
+(`Trial.set_constraint`; > 0 is infeasible), so the sampler learns where memory runs out instead of ignoring OOM
+trials as FAIL. The study lives in a storage URL, so rerunning the same command resumes it: trials a killed sweeper
+left RUNNING are failed as interrupted, their configuration is queued again, and the MLflow runs are continued,
+never duplicated. With `budgets` (the ladder recipe) one command searches several budgets, smallest first, and
+each budget starts from what the smaller ones measured.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import socket
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from memfit.sweep.outcome import TrialOutcome, constraint_dict, directions, objective_names, outcome_of
+from memfit.sweep.results import export_preset, ladder_table, log_pareto_plot, summarise
+from memfit.sweep.space import dominated_by, parse_search
+from memfit.sweep.trials import InProcessTrials, ProcessTrials, app_argv, pid_alive, trial_env
+
+log = logging.getLogger("memfit.sweep")
+
+HOST = socket.gethostname()
+
+
+def make_sampler(name: str, seed: int | None) -> Any:
+    import optuna
+
+    if name == "tpe":
+        return optuna.samplers.TPESampler(seed=seed)
+    if name == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    raise ValueError(f"hydra.sweeper.sampler={name!r}: use tpe or random")
+
+
+def _value_text(value: Any) -> str:
+    return str(value) if not isinstance(value, str) else value
+
+
+class BudgetSweep:
+    def __init__(self, **settings: Any) -> None:
+        self.settings = DictConfig(settings) if not isinstance(settings, DictConfig) else settings
+        self.config: DictConfig | None = None
+        self.trials: Any = None
+        self.job_idx = 0
+        self.objectives: list[str] = []
+        self.budget_gib: float | None = None
+
+    def setup(self, *, hydra_context: Any, task_function: Any, config: DictConfig) -> None:
+        from hydra.core.plugins import Plugins
+
+        self.config = config
+        s = self.settings
+        self.objectives = objective_names(s.objective, list(s.pareto or []))
+        if s.direction and len(self.objectives) == 1 and s.direction != directions(self.objectives)[0]:
+            raise ValueError(
+                f"hydra.sweeper.direction={s.direction} contradicts objective={s.objective}, which is "
+                f"{directions(self.objectives)[0]}d: drop hydra.sweeper.direction or set it to match"
+            )
+        if s.isolation == "process":
+            sweep_dir = Path(config.hydra.sweep.dir)
+            self.trials = ProcessTrials(app_argv(config), sweep_dir, s.trial_timeout_s, trial_env())
+        elif s.isolation == "none":
+            launcher = Plugins.instance().instantiate_launcher(
+                hydra_context=hydra_context, task_function=task_function, config=config
+            )
+            self.trials = InProcessTrials(launcher)
+        else:
+            raise ValueError(f"hydra.sweeper.isolation={s.isolation!r}: use process (fresh process per trial) or none")
+
+    # --- study and its MLflow parent run ------------------------------------------------------------------------
+    def _study_name(self) -> str:
+        s, cfg = self.settings, self.config
+        budget = f"{self.budget_gib:g}GiB" if self.budget_gib else "nobudget"
+        if s.study_name:
+            return f"{s.study_name}-{budget}" if s.budgets else s.study_name
+        return f"memfit-{cfg.model.name}-{cfg.data.name}-{budget}"
+
+    def _study(self) -> Any:
+        import optuna
+
+        from memfit.tracking import mask_credentials
+
+        s, cfg = self.settings, self.config
+        storage = s.storage or f"sqlite:///{Path(cfg.output_dir).resolve() / 'optuna.db'}"
+        if storage.startswith("sqlite:///"):
+            Path(storage.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        name = self._study_name()
+        try:
+            study = optuna.create_study(
+                study_name=name,
+                storage=storage,
+                sampler=make_sampler(s.sampler, s.seed),
+                directions=directions(self.objectives),
+                load_if_exists=True,
+            )
+        except ValueError as err:  # an existing study with other directions
+            raise ValueError(
+                f"hydra.sweeper.study_name={name}: {err}; use a new study_name for a different objective"
+            ) from None
+        log.info("study %s in %s: %d trials so far", name, mask_credentials(storage), len(study.trials))
+        return study
+
+    def _parent_run(self, study: Any) -> Any:
+        cfg = self.config
+        if cfg.tracking.backend == "none":
+            return None
+        from memfit.tracking import open_run
+
+        tags = {
+            "memfit.sweep": study.study_name,
+            "memfit.model": cfg.model.name,
+            "memfit.data": cfg.data.name,
+            "memfit.budget_gib": "none" if self.budget_gib is None else f"{self.budget_gib:g}",
+            "memfit.objective": ",".join(self.objectives),
+        }
+        if self.ladder_run is not None:
+            tags["mlflow.parentRunId"] = self.ladder_run.run_id
+        earlier = study.user_attrs.get("mlflow_parent_run_id")  # a resumed study continues its parent run
+        parent = open_run(cfg, f"sweep-{study.study_name}", tags, run_id=earlier)
+        study.set_user_attr("mlflow_parent_run_id", parent.run_id)
+        return parent
+
+    def _child_run(self, parent: Any, trial: Any) -> Any:
+        if parent is None:
+            return None
+        from memfit.tracking import open_run
+
+        tags = {"mlflow.parentRunId": parent.run_id, "memfit.trial": str(trial.number)}
+        child = open_run(self.config, f"trial-{trial.number}", tags)
+        child.log_params({f"trial.{k}": v for k, v in trial.params.items()})
+        trial.set_user_attr("run_id", child.run_id)
+        return child
+
+    # --- recovery: trials a killed sweeper left RUNNING ---------------------------------------------------------
+    def _recover_interrupted(self, study: Any, parent: Any) -> None:
+        """A RUNNING trial whose sweeper process (on this host) is gone was interrupted: FAIL it with that reason,
+        close its MLflow run as KILLED, and queue its configuration again so that it is measured after all."""
+        import optuna
+
+        from memfit.tracking import open_run
+
+        for frozen in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+            owner = frozen.system_attrs.get("memfit:owner")
+            if owner is None or owner[0] != HOST or pid_alive(owner[1]):
+                continue  # another live worker's trial (or another host's): not ours to judge
+            reason = "interrupted: the sweeper stopped during this trial; its configuration is queued again"
+            trial = optuna.trial.Trial(study, frozen._trial_id)
+            trial.set_user_attr("status", "interrupted")
+            trial.set_user_attr("reason", reason)
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            run_id = frozen.user_attrs.get("run_id")
+            if run_id and parent is not None:
+                open_run(self.config, f"trial-{frozen.number}", {}, run_id=run_id).finish("KILLED", reason)
+            if not frozen.user_attrs.get("retry_of"):
+                study.enqueue_trial(frozen.params, user_attrs={"retry_of": frozen.number})
+            log.warning("trial %d was interrupted by a stopped sweeper: marked FAIL, queued again", frozen.number)
+
+    # --- one trial ------------------------------------------------------------------------------------------------
+    def _trial_overrides(self, trial: Any, fixed: list[str], parent: Any) -> list[str]:
+        overrides = list(fixed) + [f"{k}={_value_text(v)}" for k, v in trial.params.items()]
+        effective = self.settings.effective_batch
+        batch = trial.params.get("trainer.batch_size")
+        if effective and batch and "trainer.gradient_accumulation_steps" not in trial.params:
+            overrides.append(f"trainer.gradient_accumulation_steps={math.ceil(effective / batch)}")
+        if self.settings.budgets:
+            overrides.append(f"budget.gib={self.budget_gib:g}")
+        overrides.append(f"tracking.run_name=trial-{trial.number}")
+        if parent is not None:
+            overrides.append(f"tracking.parent_run_id={parent.run_id}")
+            overrides.append(f"tracking.run_id={trial.user_attrs['run_id']}")
+        return overrides
+
+    def _limit_gib(self) -> float | None:
+        return self.budget_gib - self.config.budget.margin_gib if self.budget_gib else None
+
+    def _tell(self, study: Any, trial: Any, result: Any, child: Any) -> TrialOutcome:
+        import optuna
+
+        s = self.settings
+        outcome = outcome_of(result.report, result.error, self._limit_gib(), self.objectives, s.coverage_floor)
+        outcome.attrs["gpu_seconds"] = result.seconds
+        for key, value in outcome.attrs.items():
+            if key != "run_id" or value:
+                trial.set_user_attr(key, value)
+        for key, value in outcome.constraints.items():
+            trial.set_constraint(key, value)
+        if outcome.state == "complete":
+            study.tell(trial, outcome.values)
+        else:
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        if child is not None:
+            self._record_in_mlflow(child, outcome)
+        log.info(
+            "trial %d %s: %s",
+            trial.number,
+            "feasible" if outcome.feasible else outcome.attrs.get("status"),
+            dict(trial.params),
+        )
+        return outcome
+
+    def _record_in_mlflow(self, child: Any, outcome: TrialOutcome) -> None:
+        """The sweeper's view on the trial's run: objective, constraint, feasibility, status and reason."""
+        status = outcome.attrs.get("status") or "failed"
+        metrics = {f"trial/{k}_constraint": v for k, v in outcome.constraints.items()}
+        metrics["trial/feasible"] = float(outcome.feasible)
+        metrics["trial/seconds"] = outcome.attrs["gpu_seconds"]
+        for name, value in zip(self.objectives, outcome.values or [], strict=False):
+            metrics[f"trial/objective_{name}"] = value
+        child.log_metrics(metrics, step=0)
+        child.set_tags({"memfit.trial_status": status})
+        reason = outcome.attrs.get("reason") or status
+        # a process that died (SIGKILL, OOM-killer, timeout) could not end its run: the sweeper does
+        child.finish_if_running("FINISHED" if status == "ok" else "KILLED" if "killed" in reason else "FAILED", reason)
+
+    def _told_without_running(self, study: Any, trial: Any, parent: Any) -> bool:
+        """A trial that certainly cannot fit (it dominates a measured infeasible trial) is told, not run."""
+        import optuna
+
+        blocker = dominated_by(
+            trial.params, study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+        )
+        if blocker is None:
+            return False
+        reason = f"not run: at least as large as trial {blocker.number}, which did not fit"
+        trial.set_user_attr("status", "predicted_infeasible")
+        trial.set_user_attr("reason", reason)
+        for key, value in constraint_dict(blocker).items():
+            trial.set_constraint(key, value)
+        child = self._child_run(parent, trial)  # before tell: a finished trial takes no more attributes
+        study.tell(trial, [0.0 if d == "maximize" else 1e9 for d in directions(self.objectives)])
+        if child is not None:
+            child.set_tags({"memfit.trial_status": "predicted_infeasible"})
+            child.log_metrics({"trial/feasible": 0.0, "trial/seconds": 0.0}, step=0)
+            child.finish("FAILED", reason)
+        log.info("trial %d not run: it is at least as large as infeasible trial %d", trial.number, blocker.number)
+        return True
+
+    def _new_trials_done(self, study: Any) -> int:
+        return len([t for t in study.trials if t.state.is_finished() and "reused_from" not in t.user_attrs])
+
+    def _run_study(self, space: dict[str, Any], fixed: list[str], earlier: list[Any]) -> dict[str, Any] | None:
+        study = self._study()
+        parent = self._parent_run(study)
+        try:
+            self._recover_interrupted(study, parent)
+            if earlier:
+                from memfit.sweep.ladder import reuse_measurements
+
+                reuse_measurements(study, earlier, self._limit_gib(), self.objectives)
+            while (done := self._new_trials_done(study)) < self.settings.n_trials:
+                count = min(self.settings.n_jobs, self.settings.n_trials - done)
+                trials = [study.ask(space) for _ in range(count)]
+                for trial in trials:
+                    trial.storage.set_trial_system_attr(trial._trial_id, "memfit:owner", [HOST, _own_pid()])
+                trials = [t for t in trials if not self._told_without_running(study, t, parent)]
+                if not trials:
+                    continue
+                children = [self._child_run(parent, t) for t in trials]
+                batch = [self._trial_overrides(t, fixed, parent) for t in trials]
+                results = self.trials.launch(batch, self.job_idx)
+                self.job_idx += len(results)
+                for trial, result, child in zip(trials, results, children, strict=True):
+                    self._tell(study, trial, result, child)
+            best = summarise(study, self, parent)
+            if parent is not None:
+                log_pareto_plot(study, self, parent)
+        except BaseException as err:
+            if parent is not None:
+                parent.finish("KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED", f"sweep: {err}")
+            raise
+        if parent is not None:
+            parent.finish("FINISHED")
+        self.studies.append(study)
+        return best
+
+    def sweep(self, arguments: list[str]) -> list[Any]:
+        space, fixed = parse_search(arguments, dict(self.settings.params or {}))
+        if not space:
+            raise ValueError("the sweep has no search space: give hydra.sweeper.params or choice(...) overrides")
+        self.studies: list[Any] = []
+        self.ladder_run = None
+        budgets = sorted(float(b) for b in self.settings.budgets or [])
+        if not budgets:
+            self.budget_gib = self.config.budget.gib
+            return [self._run_study(space, fixed, earlier=[])]
+        self.ladder_run = self._ladder_run(budgets)
+        rows = []
+        for budget in budgets:
+            self.budget_gib = budget
+            rows.append((budget, self._run_study(space, fixed, earlier=list(self.studies))))
+        table = ladder_table(rows, self.settings.effective_batch)
+        sweep_dir = Path(self.config.hydra.sweep.dir)
+        (sweep_dir / "ladder.md").write_text(table)
+        log.info("budget ladder:\n%s", table)
+        print(table)
+        if self.ladder_run is not None:
+            self.ladder_run.log_text(table, "ladder.md")
+            self.ladder_run.finish("FINISHED")
+        return [summary for _, summary in rows]
+
+    def _ladder_run(self, budgets: list[float]) -> Any:
+        cfg = self.config
+        if cfg.tracking.backend == "none":
+            return None
+        from memfit.tracking import open_run
+
+        name = f"ladder-{cfg.model.name}-{cfg.data.name}-" + "-".join(f"{b:g}" for b in budgets) + "GiB"
+        return open_run(cfg, name, {"memfit.ladder": ",".join(f"{b:g}" for b in budgets)})
+
+    def export(self, study: Any, best: Any) -> Path:
+        return export_preset(study, best, self)
+
+
+def _own_pid() -> int:
+    import os
+
+    return os.getpid()

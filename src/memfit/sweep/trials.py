@@ -1,0 +1,146 @@
+"""Running trials: each in a fresh `python train.py` process (default), or in the sweeper's process through Hydra's
+launcher (isolation=none).
+
+A fresh process per trial is what makes measured peaks independent of trial order on a GPU: nothing of the
+previous trial's allocator cache, fragmentation, CUDA context or allocator cap survives into the next. It also
+lets a trial die (OOM-killer, SIGKILL, a hang past the timeout) without taking the sweep with it. The trial writes
+report.json into its own directory; its absence, with the exit status, says how it died. On Linux a trial is
+killed with the sweeper (PR_SET_PDEATHSIG), so an interrupted sweep leaves no orphan training on the device.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("memfit.sweep")
+
+
+@dataclass
+class TrialResult:
+    report: dict[str, Any] | None
+    error: str | None  # why there is no report (or the run's own reason when it failed)
+    seconds: float
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return ""
+    return lines[-1][:500] if lines else ""
+
+
+def _why(returncode: int | None, timed_out: bool, timeout_s: float | None, log_path: Path) -> str:
+    if timed_out:
+        return f"timeout: still running after {timeout_s:g} s, killed"
+    if returncode is not None and returncode < 0:
+        return f"killed: by {signal.Signals(-returncode).name}"
+    return f"failed: exit {returncode}: {_last_line(log_path)}"
+
+
+class ProcessTrials:
+    """`python <app> <overrides> hydra.run.dir=<sweep dir>/<job>` per trial; up to len(batch) at once."""
+
+    def __init__(self, app_argv: list[str], sweep_dir: Path, timeout_s: float | None, env: dict[str, str]):
+        self.app_argv, self.sweep_dir, self.timeout_s, self.env = app_argv, sweep_dir, timeout_s, env
+
+    def launch(self, batch: list[list[str]], first_job: int, on_wait: Any = None) -> list[TrialResult]:
+        started = []
+        for offset, overrides in enumerate(batch):
+            job_dir = self.sweep_dir / str(first_job + offset)
+            job_dir.mkdir(parents=True, exist_ok=True)
+            (job_dir / "report.json").unlink(missing_ok=True)
+            log_file = open(job_dir / "trial.log", "w")  # noqa: SIM115 - closed once the process ends
+            command = [*self.app_argv, *overrides, f"hydra.run.dir={job_dir}"]
+            proc = subprocess.Popen(
+                command,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            )
+            started.append((proc, job_dir, log_file, time.monotonic()))
+        return [self._wait(proc, job_dir, log_file, start, on_wait) for proc, job_dir, log_file, start in started]
+
+    def _wait(self, proc: Any, job_dir: Path, log_file: Any, start: float, on_wait: Any) -> TrialResult:
+        timed_out = False
+        while proc.poll() is None:
+            if self.timeout_s and time.monotonic() - start > self.timeout_s:
+                proc.kill()
+                timed_out = True
+                proc.wait()
+                break
+            if on_wait is not None:
+                on_wait()
+            time.sleep(0.2)
+        log_file.close()
+        seconds = time.monotonic() - start
+        report_path = job_dir / "report.json"
+        if report_path.exists() and not timed_out:
+            report = json.loads(report_path.read_text())
+            return TrialResult(report, report.get("reason"), seconds)
+        return TrialResult(None, _why(proc.returncode, timed_out, self.timeout_s, job_dir / "trial.log"), seconds)
+
+
+class InProcessTrials:
+    """Hydra's configured launcher (the basic one runs trials one after another in this process)."""
+
+    def __init__(self, launcher: Any):
+        self.launcher = launcher
+
+    def launch(self, batch: list[list[str]], first_job: int, on_wait: Any = None) -> list[TrialResult]:
+        from hydra.core.utils import JobStatus
+
+        start = time.monotonic()
+        results = []
+        for job_return in self.launcher.launch(batch, initial_job_idx=first_job):
+            seconds = (time.monotonic() - start) / len(batch)
+            if job_return.status == JobStatus.COMPLETED:
+                report = job_return.return_value
+                results.append(TrialResult(report, (report or {}).get("reason"), seconds))
+            else:
+                error = job_return._return_value
+                results.append(TrialResult(None, f"failed: {type(error).__name__}: {error}", seconds))
+        return results
+
+
+def app_argv(config: Any) -> list[str]:
+    """The command that starts this Hydra app again, for one trial: same script, same config name and dirs."""
+    script = Path(config.hydra.runtime.cwd) / sys.argv[0] if not Path(sys.argv[0]).is_absolute() else sys.argv[0]
+    argv = [sys.executable, str(script), "--config-name", config.hydra.job.config_name]
+    for source in config.hydra.runtime.config_sources:
+        if source.provider == "command-line" and source.schema == "file":
+            argv += ["--config-dir", source.path]
+    return argv
+
+
+def trial_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("HYDRA_FULL_ERROR", None)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
