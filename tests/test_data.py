@@ -67,6 +67,12 @@ def test_collator_pads_labels_with_ignore_index_and_counts_tokens(tokenizer):
     batch = collator([{k: ds[i][k] for k in ("input_ids", "attention_mask", "labels")} for i in range(2)])
     assert batch["input_ids"].shape == (2, 8) and batch["labels"].shape == (2, 8)
     assert (batch["labels"][0] == LABEL_PAD).sum() == 8 - 3
+    assert collator.tokens == 0  # collated is not trained: the dataloader runs a batch ahead of training
+    with collator.paused():  # an evaluation batch is never counted
+        collator([{k: ds[0][k] for k in ("input_ids", "attention_mask", "labels")}])
+    collator.consume()
+    assert collator.tokens == (6 + 3) + (3 + 7) and collator.last_shape["input_ids"] == (2, 8)
+    collator.consume()  # nothing else was collated for training
     assert collator.tokens == (6 + 3) + (3 + 7)
 
 

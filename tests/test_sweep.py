@@ -54,7 +54,7 @@ def test_the_sweeper_plugin_is_discovered():
 
 
 @pytest.mark.slow
-def test_the_readme_budget_sweep_finds_resumes_and_exports_a_preset(tmp_path):
+def test_the_readme_budget_sweep_finds_and_exports_a_preset(tmp_path):
     sweep = readme_command("python train.py -m sweep=budget")[2:]
     common = [*sweep, f"output_dir={tmp_path}", f"hydra.sweeper.preset_dir={tmp_path}/presets/preset"]
     first = run_train_py(*common)
@@ -83,11 +83,9 @@ def test_the_readme_budget_sweep_finds_resumes_and_exports_a_preset(tmp_path):
     )
 
     preset = tmp_path / "presets" / "preset" / "tiny_seq2seq-aclsum-1.6gib.yaml"
-    assert preset.read_text().startswith("# @package _global_")
-    again = run_train_py(*common, "hydra.sweeper.n_trials=8")  # the same command, more trials: resumes
-    assert again.returncode == 0, again.stderr[-3000:]
-    study = optuna.load_study(study_name=name, storage=storage)
-    assert sorted(t.number for t in study.trials) == list(range(8))
+    assert preset.read_text().startswith(
+        "# @package _global_"
+    )  # resuming: see test_faults_in_trials_and_a_killed_sweeper_lose_nothing
 
     use = readme_command("python train.py model=tiny_seq2seq +preset=")[2:]
     trained = run_train_py(*use, f"hydra.searchpath=[file://{tmp_path}/presets]", f"output_dir={tmp_path}/use")
@@ -99,6 +97,8 @@ def test_the_readme_budget_sweep_finds_resumes_and_exports_a_preset(tmp_path):
     assert run.data.params["trainer.batch_size"] == str(exported.trainer.batch_size)
     assert run.data.params["memory.max_label_length"] == str(exported.memory.max_label_length)
     assert run.data.params["budget.gib"] == "1.6"
+    assert exported.memory.max_source_length == 256 and exported.memory.precision == "fp32"  # fixed settings too
+    assert "trainer.max_steps" not in run.data.params or exported.trainer.get("max_steps") is None
 
 
 # A memory-like synthetic problem: peak grows with batch × tokens, throughput saturates in batch and rewards longer
@@ -261,3 +261,106 @@ def test_faults_in_trials_and_a_killed_sweeper_lose_nothing(tmp_path):
     assert by_trial[3].data.tags["memfit.reason"].startswith("nan_loss")
     assert by_trial[4].info.status == "KILLED" and by_trial[5].info.status == "KILLED"
     assert by_trial[6].info.status == "FINISHED" and "train/loss" in by_trial[6].data.metrics
+
+
+IN_PROCESS = [
+    "hydra.sweeper.isolation=none",  # these tests are about the search, not isolation: no process start per trial
+]
+
+
+def _results(tmp_path, name: str):
+    return OmegaConf.load(tmp_path / "sweep" / f"optimization_results-{name}.yaml")
+
+
+@pytest.mark.slow
+def test_the_loss_recipe_compares_eval_loss_after_the_same_token_budget(tmp_path):
+    args = [
+        *readme_command("python train.py -m sweep=loss")[2:],
+        *IN_PROCESS,
+        "data.max_eval_samples=4",
+        f"output_dir={tmp_path}",
+        f"hydra.sweep.dir={tmp_path}/sweep",
+        f"hydra.sweeper.preset_dir={tmp_path}/preset",
+    ]
+    out = run_train_py(*args)
+    assert out.returncode == 0, out.stderr[-3000:]
+    name = "memfit-tiny_seq2seq-aclsum-nobudget"
+    study = optuna.load_study(study_name=name, storage=f"sqlite:///{tmp_path}/optuna.db")
+    assert study.direction == optuna.study.StudyDirection.MINIMIZE
+    done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(done) == 3
+    for trial in done:
+        tokens = trial.user_attrs["train_tokens"]
+        per_step = 4 * (64 + 32)  # one optimizer step: effective batch 4 of at most max-length pairs
+        assert 1500 <= tokens < 1500 + per_step  # stopped on the token budget, not on steps or epochs
+        assert trial.value == pytest.approx(trial.user_attrs["eval_loss"])  # the objective is the eval loss
+    results = _results(tmp_path, name)
+    assert results.objectives == ["loss"] and results.best_value == pytest.approx(min(t.value for t in done))
+
+
+@pytest.mark.slow
+def test_pareto_mode_keeps_the_trade_off_between_two_objectives(tmp_path):
+    args = [
+        *[a for a in SMALL_SWEEP if not a.startswith(("trainer.seed", "memory.max_label_length"))],
+        *IN_PROCESS,
+        "hydra.sweeper.objective=pareto",
+        "hydra.sweeper.pareto=[throughput,coverage]",
+        "memory.max_label_length=choice(4,8,16,64)",
+        "trainer.batch_size=choice(1,4)",
+        "hydra.sweeper.n_trials=5",
+        f"output_dir={tmp_path}",
+        f"hydra.sweep.dir={tmp_path}/sweep",
+        f"hydra.sweeper.preset_dir={tmp_path}/preset",
+    ]
+    out = run_train_py(*args)
+    assert out.returncode == 0, out.stderr[-3000:]
+    name = "memfit-tiny_seq2seq-aclsum-nobudget"
+    study = optuna.load_study(study_name=name, storage=f"sqlite:///{tmp_path}/optuna.db")
+    assert study.directions == [optuna.study.StudyDirection.MAXIMIZE] * 2
+    done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    for trial in done:
+        assert trial.values == [trial.user_attrs["tokens_per_s"], trial.user_attrs["label_coverage"]]
+    front = _results(tmp_path, name).pareto_front
+    on_front = {p.trial for p in front}
+    assert on_front and on_front <= {t.number for t in done}
+    for trial in done:  # no trial beats a front member in both objectives; off the front, one is beaten
+        beaten = any(
+            o.values[0] >= trial.values[0] and o.values[1] >= trial.values[1] and o.values != trial.values for o in done
+        )
+        assert beaten == (trial.number not in on_front)
+
+
+@pytest.mark.slow
+def test_a_budget_ladder_reuses_measurements_and_writes_one_preset_per_budget(tmp_path):
+    args = [
+        *readme_command("python train.py -m sweep=ladder")[2:],
+        f"output_dir={tmp_path}",
+        f"hydra.sweep.dir={tmp_path}/sweep",
+        f"hydra.sweeper.preset_dir={tmp_path}/preset",
+    ]
+    out = run_train_py(*args)
+    assert out.returncode == 0, out.stderr[-3000:]
+    storage = f"sqlite:///{tmp_path}/optuna.db"
+    small = optuna.load_study(study_name="memfit-tiny_seq2seq-aclsum-1.6GiB", storage=storage)
+    large = optuna.load_study(study_name="memfit-tiny_seq2seq-aclsum-3GiB", storage=storage)
+    reused = [t for t in large.trials if "reused_from" in t.user_attrs]
+    assert reused and len(large.trials) == len(reused) + 2  # measurements carried over, then 2 new trials
+    for trial in reused:
+        origin = small.trials[int(trial.user_attrs["reused_from"].split("#")[1])]
+        assert trial.params == origin.params and trial.user_attrs["gpu_seconds"] == 0.0
+        assert trial.constraints["memory_gib"] == pytest.approx(origin.user_attrs["worst_case_peak_gib"] - 2.5)
+    table = (tmp_path / "sweep" / "ladder.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| 1.6 ") or line.startswith("| 3 ")]
+    assert len(rows) == 2, table
+    for budget in ("1.6", "3"):
+        row = next(r for r in rows if r.startswith(f"| {budget} "))
+        if "nothing fits" not in row:
+            assert (tmp_path / "preset" / f"tiny_seq2seq-aclsum-{budget}gib.yaml").exists()
+    assert "nothing fits" not in rows[1]  # 3 GiB holds what 1.6 GiB held, at least
+    client = MlflowClient(default_tracking_uri(str(tmp_path)))
+    runs = client.search_runs([client.get_experiment_by_name("memfit").experiment_id])
+    ladder = [r for r in runs if "memfit.ladder" in r.data.tags]
+    assert len(ladder) == 1 and ladder[0].info.status == "FINISHED"
+    assert "ladder.md" in [a.path for a in client.list_artifacts(ladder[0].info.run_id)]
+    sweeps = [r for r in runs if "memfit.sweep" in r.data.tags]
+    assert len(sweeps) == 2 and all(r.data.tags["mlflow.parentRunId"] == ladder[0].info.run_id for r in sweeps)

@@ -7,9 +7,12 @@ the response; a single `text_column` becomes an empty prompt and the whole text 
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import csv
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -370,13 +373,33 @@ class CountingCollator:
         self.inner = DataCollatorForSeq2Seq(
             tokenizer, label_pad_token_id=LABEL_PAD, pad_to_multiple_of=pad_to_multiple_of, return_tensors="pt"
         )
-        self.tokens = 0
-        self.last_shape: dict[str, tuple[int, ...]] = {}
+        self.tokens = 0  # real tokens of the batches training has taken (see consume)
+        self.counting = True  # off while Trainer evaluates: eval batches go through the same collator
+        self.last_shape: dict[str, tuple[int, ...]] = {}  # the batch training took last: what an OOM hit
+        # Collated but not yet trained on: the dataloader runs one batch ahead of training (accelerate looks ahead
+        # for the end of the data), so counting at collation would count a batch that training never took.
+        self._pending: collections.deque = collections.deque()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Collate without counting (evaluation), so tokens are training tokens only."""
+        self.counting = False
+        try:
+            yield
+        finally:
+            self.counting = True
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
-        self.tokens += sum(len(f["input_ids"]) for f in features)
-        if self.count_labels:
-            self.tokens += sum(len(f["labels"]) for f in features)
         batch = self.inner(features)
-        self.last_shape = {k: tuple(v.shape) for k, v in batch.items() if hasattr(v, "shape")}
+        if self.counting:
+            tokens = sum(len(f["input_ids"]) for f in features)
+            if self.count_labels:
+                tokens += sum(len(f["labels"]) for f in features)
+            self._pending.append((tokens, {k: tuple(v.shape) for k, v in batch.items() if hasattr(v, "shape")}))
         return batch
+
+    def consume(self) -> None:
+        """Training takes the oldest collated batch (batches are trained in the order they were collated)."""
+        if self._pending:
+            tokens, self.last_shape = self._pending.popleft()
+            self.tokens += tokens

@@ -95,14 +95,29 @@ def make_callback(
     return cls(meter, tracker, collator, max_train_tokens)
 
 
+def _counting_only_training(base: type) -> type:
+    """The Trainer class, counting a batch's tokens when training takes it, and evaluation collating through
+    the same collator without counting: tokens/s and a token budget are about trained tokens only."""
+
+    def evaluate(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self.data_collator.paused():
+            return base.evaluate(self, *args, **kwargs)
+
+    def training_step(self: Any, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        self.data_collator.consume()  # this micro-batch is now trained on: count it, remember its shape
+        return base.training_step(self, model, inputs, *args, **kwargs)
+
+    return type(base.__name__, (base,), {"evaluate": evaluate, "training_step": training_step})
+
+
 def build_trainer(
     cfg: DictConfig, model: Any, tokenizer: Any, datasets: Any, args: Any, collator: Any, callbacks: list
 ) -> Any:
     from transformers import Seq2SeqTrainer, Trainer
 
-    trainer_cls = Seq2SeqTrainer if cfg.model.task == "seq2seq" else Trainer
+    base = Seq2SeqTrainer if cfg.model.task == "seq2seq" else Trainer
     evaluate = "validation" in datasets and cfg.memory.eval_enabled
-    trainer = trainer_cls(
+    trainer = _counting_only_training(base)(
         model=model,
         args=args,
         train_dataset=datasets["train"],

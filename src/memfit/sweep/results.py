@@ -121,10 +121,41 @@ def _link_latest(path: Path) -> None:
     (path.parent / "optimization_results.yaml").write_text(path.read_text())
 
 
+# Fixed overrides that shape memory and belong in a preset; how long a trial trained does not.
+PRESET_PREFIXES = ("memory.", "trainer.", "model.", "budget.", "preflight.")
+NOT_IN_PRESET = (
+    "trainer.max_steps",
+    "trainer.num_train_epochs",
+    "trainer.max_train_tokens",
+    "trainer.device",
+    "trainer.seed",
+    "budget.gib",
+)
+
+
+def preset_settings(fixed: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """(dotted settings for the preset, group choices and data settings for its Use line) from the sweep's fixed
+    overrides."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    settings, groups = {}, []
+    for override in OverridesParser.create().parse_overrides(fixed):
+        key = override.key_or_group
+        if "." not in key and key not in ("sweep", "output_dir", "preflight_only"):
+            groups.append(override.input_line)  # model=..., memory=tight: named on the Use line
+        elif key.startswith("data.") and key not in ("data.max_train_samples", "data.max_eval_samples"):
+            groups.append(override.input_line)  # data.path=...: the data the sweep measured
+        elif key.startswith(PRESET_PREFIXES) and key not in NOT_IN_PRESET:
+            settings[key] = override.value()
+    return settings, groups
+
+
 def export_preset(study: Any, best: Any, sweep: Any) -> Path:
-    """`# @package _global_` YAML with the best params (and the accumulation it implies) for +preset=<name>."""
+    """`# @package _global_` YAML with the settings the best trial ran with: the fixed memory settings of the
+    command line, the searched params and the accumulation they imply, and the budget; for +preset=<name>."""
     cfg = sweep.config
-    settings = dict(best.params)
+    settings, groups = preset_settings(sweep.fixed)
+    settings.update(best.params)
     effective = sweep.settings.effective_batch
     if effective and "trainer.batch_size" in settings and "trainer.gradient_accumulation_steps" not in settings:
         settings["trainer.gradient_accumulation_steps"] = math.ceil(effective / settings["trainer.batch_size"])
@@ -142,10 +173,19 @@ def export_preset(study: Any, best: Any, sweep: Any) -> Path:
         f"# @package _global_\n# Best feasible configuration of study {study.study_name} (trial {best.number}, "
         f"{sweep.objectives[0]} {best.values[0]:.4g}, worst-case peak "
         f"{best.user_attrs.get('worst_case_peak_gib') or float('nan'):.2f} GiB).\n"
-        f"# Use: python train.py model={cfg.model.name} data={cfg.data.name} +preset={path.stem}\n"
+        f"# Use: python train.py {' '.join(_use_groups(groups, cfg))} +preset={path.stem}\n"
     )
     path.write_text(header + OmegaConf.to_yaml(node))
     return path
+
+
+def _use_groups(groups: list[str], cfg: Any) -> list[str]:
+    named = {g.split("=", 1)[0] for g in groups}
+    return (
+        [f"model={cfg.model.name}"] * ("model" not in named)
+        + [f"data={cfg.data.name}"] * ("data" not in named)
+        + groups
+    )
 
 
 def ladder_table(rows: list[tuple[float, dict[str, Any] | None]], effective_batch: int | None) -> str:

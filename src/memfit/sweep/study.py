@@ -50,6 +50,7 @@ class BudgetSweep:
         self.job_idx = 0
         self.objectives: list[str] = []
         self.budget_gib: float | None = None
+        self.fixed: list[str] = []
 
     def setup(self, *, hydra_context: Any, task_function: Any, config: DictConfig) -> None:
         from hydra.core.plugins import Plugins
@@ -282,6 +283,7 @@ class BudgetSweep:
 
     def sweep(self, arguments: list[str]) -> list[Any]:
         space, fixed = parse_search(arguments, dict(self.settings.params or {}))
+        self.fixed = fixed  # the preset carries the fixed settings the trials ran with, not only the searched ones
         if not space:
             raise ValueError("the sweep has no search space: give hydra.sweeper.params or choice(...) overrides")
         self.studies: list[Any] = []
