@@ -40,6 +40,7 @@ def test_tiny_run_records_loss_beside_peak_memory(compose_cfg, tmp_path, model):
         m.value for m in client.get_metric_history(recorded.info.run_id, "mem/peak_allocated_gib")
     )
     assert summary["summary/train_tokens"] > 0 and "eval/loss" in summary
+    assert summary["summary/tokens_per_s"] > 0 and summary["summary/tokens_per_s_with_warmup"] > 0
     assert recorded.data.params["memory.name"] == "balanced"
     assert recorded.data.params["trainer.batch_size"] == "2"
     assert recorded.data.tags["memfit.model"] == model
@@ -103,3 +104,16 @@ def test_a_local_checkpoint_is_loaded_instead_of_random_weights(compose_cfg, tmp
     assert not loaded.random_weights
     for (name, a), (_, b) in zip(saved.named_parameters(), loaded.model.named_parameters(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_throughput_leaves_the_first_steps_warm_up_out():
+    from memfit.meter import HostMeter
+    from memfit.tracking import NullTracker
+    from memfit.training import MemoryLoggingCallback
+
+    callback = MemoryLoggingCallback(HostMeter(), NullTracker(), collator=None, max_train_tokens=None)
+    assert callback.steady_tokens_per_s is None  # nothing trained yet: the run falls back to tokens / wall time
+    callback._windows = [(100, 10.0)]  # one window only: it is all warm-up, nothing steady to report
+    assert callback.steady_tokens_per_s is None
+    callback._windows += [(100, 1.0), (300, 1.0)]  # a slow first step (optimizer state, autotuning), then steady
+    assert callback.steady_tokens_per_s == 200.0

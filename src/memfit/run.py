@@ -192,13 +192,15 @@ def _train(cfg: DictConfig, ctx: dict[str, Any]) -> RunReport:
     ctx["tracker"].set_tags({"memfit.optimizer": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"})
     meter = ctx["meter"]
     overall = meter.overall
-    tokens_per_s = totals.tokens / totals.wall_s if totals.wall_s > 0 else 0.0
+    with_warmup = totals.tokens / totals.wall_s if totals.wall_s > 0 else 0.0
+    tokens_per_s = ctx["callback"].steady_tokens_per_s or with_warmup
     summary = {
         "summary/peak_allocated_gib": overall.allocated_gib,
         "summary/peak_reserved_gib": overall.reserved_gib,
         "summary/train_tokens": totals.tokens,
         "summary/wall_s": totals.wall_s,
-        "summary/tokens_per_s": tokens_per_s,
+        "summary/tokens_per_s": tokens_per_s,  # after the first step's warm-up
+        "summary/tokens_per_s_with_warmup": with_warmup,
     }
     if totals.final_loss is not None:
         summary["summary/final_loss"] = totals.final_loss
@@ -248,6 +250,7 @@ def _prepare_training(cfg: DictConfig, ctx: dict[str, Any]) -> None:
     output_dir = str(Path(cfg.output_dir) / "checkpoints" / run_name(cfg))
     args = training_arguments(cfg, ctx["device"], output_dir, has_eval="validation" in ready)
     ctx.update(
+        callback=callback,
         built=built,
         collator=collator,
         trainer=build_trainer(cfg, built.model, ctx["tokenizer"], ready, args, collator, callbacks),

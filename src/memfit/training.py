@@ -57,6 +57,15 @@ class MemoryLoggingCallback:
         self.max_train_tokens = max_train_tokens
         self._last_time = 0.0
         self._last_tokens = 0
+        self._windows: list[tuple[int, float]] = []  # (tokens, seconds) between a train log and the log before it
+
+    @property
+    def steady_tokens_per_s(self) -> float | None:
+        """Tokens/s after the first logged window: the first steps build optimizer state, autotune kernels and grow
+        the allocator, which a short timed segment (a sweep trial's) would otherwise count as slowness."""
+        steady = self._windows[1:]
+        seconds = sum(s for _, s in steady)
+        return sum(t for t, _ in steady) / seconds if steady and seconds > 0 else None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.meter.reset_window()
@@ -79,6 +88,7 @@ class MemoryLoggingCallback:
         now, tokens = time.perf_counter(), self.collator.tokens
         if "loss" in logs and now > self._last_time:
             metrics["train/tokens_per_s"] = (tokens - self._last_tokens) / (now - self._last_time)
+            self._windows.append((tokens - self._last_tokens, now - self._last_time))
         self._last_time, self._last_tokens = now, tokens
         self.tracker.log_metrics(metrics, step=state.global_step)
         loss = metrics.get("train/loss", metrics.get("eval/loss"))
