@@ -364,3 +364,28 @@ def test_a_budget_ladder_reuses_measurements_and_writes_one_preset_per_budget(tm
     assert "ladder.md" in [a.path for a in client.list_artifacts(ladder[0].info.run_id)]
     sweeps = [r for r in runs if "memfit.sweep" in r.data.tags]
     assert len(sweeps) == 2 and all(r.data.tags["mlflow.parentRunId"] == ladder[0].info.run_id for r in sweeps)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["trainer.batch_size=interval(10,1)"], "trainer.batch_size=interval(10,1): the interval is empty or inverted"),
+        (["trainer.batch_size=range(5,1)"], "trainer.batch_size=range(5,1): the range is empty or inverted"),
+        (
+            ["trainer.batch_size=2", "memory.max_source_length=64", "memory.max_label_length=32"],
+            "hydra.sweeper.params is empty and no choice(...)",
+        ),
+        (["hydra.sweeper.storage=sqlite:////proc/no/such/dir/optuna.db"], "hydra.sweeper.storage=sqlite:////proc/no"),
+        (
+            ["hydra.sweeper.storage=postgresql://me:secret@127.0.0.1:9/db"],
+            "hydra.sweeper.storage=postgresql://me:***@127.0.0.1:9/db cannot",
+        ),
+        (["hydra.sweeper.objective=speed"], "hydra.sweeper.objective=speed"),
+    ],
+)
+def test_a_bad_sweep_setting_is_one_line_and_exit_2(tmp_path, overrides, expected):
+    out = run_train_py("-m", "sweep=budget", "model=tiny_seq2seq", f"output_dir={tmp_path}", *overrides, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert f"memfit: error: {expected}" in out.stderr and "Traceback" not in out.stderr
+    assert "secret" not in out.stderr + out.stdout
+    assert not (tmp_path / "mlflow.db").exists()  # nothing recorded

@@ -154,6 +154,7 @@ class TrainConfig:
     forensics: ForensicsConfig = field(default_factory=ForensicsConfig)
     preflight_only: bool = False
     output_dir: str = "outputs"
+    min_free_disk_gib: float = 0.5
 
 
 def register_configs() -> None:

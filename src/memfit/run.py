@@ -272,6 +272,9 @@ def run(cfg: DictConfig) -> RunReport:
     """Validate and load data (bad input raises before any model load or record), then audit, preflight, train."""
     validate(cfg)
     apply_allocator_env(cfg.memory)  # before anything initialises CUDA
+    from memfit.preconditions import check_before_run, check_budget
+
+    check_before_run(cfg)
     from transformers import set_seed
 
     from memfit.data import load_and_tokenize
@@ -288,6 +291,8 @@ def run(cfg: DictConfig) -> RunReport:
     prepared = load_and_tokenize(cfg, tokenizer)
     audit_seconds = time.perf_counter() - started
     meter = make_meter(device)
+    if problems := check_budget(cfg, device, meter.total_bytes()):
+        raise ConfigError(problems)
     cap = apply_budget(cfg, device, meter.total_bytes())
     log.info("device %s, memory meter: %s, budget: %s", device, meter.label, cap.label)
     tracker = start_tracking(cfg, run_name(cfg), run_tags(cfg, device, meter.label))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 from hydra.plugins.sweeper import Sweeper
@@ -16,7 +19,21 @@ class MemfitSweeper(Sweeper):
         self._impl = BudgetSweep(**settings)
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
-        self._impl.setup(hydra_context=hydra_context, task_function=task_function, config=config)
+        with _one_line_errors():
+            self._impl.setup(hydra_context=hydra_context, task_function=task_function, config=config)
 
     def sweep(self, arguments: list[str]) -> Any:
-        return self._impl.sweep(arguments)
+        with _one_line_errors():
+            return self._impl.sweep(arguments)
+
+
+@contextlib.contextmanager
+def _one_line_errors() -> Iterator[None]:
+    """A bad sweep setting: `memfit: error: <field>: <fix>` and exit 2, not a traceback."""
+    from memfit.sweep.space import SweepConfigError
+
+    try:
+        yield
+    except SweepConfigError as error:
+        print(f"memfit: error: {error}", file=sys.stderr)
+        sys.exit(2)

@@ -44,7 +44,9 @@ def objective_names(objective: str, pareto: list[str] | None) -> list[str]:
     names = list(pareto or []) if objective == "pareto" else [objective]
     unknown = [n for n in names if n not in OBJECTIVES]
     if unknown or not names:
-        raise ValueError(
+        from memfit.sweep.space import SweepConfigError
+
+        raise SweepConfigError(
             f"hydra.sweeper.objective={objective} pareto={pareto}: objectives are {', '.join(OBJECTIVES)}"
             " (objective=pareto takes hydra.sweeper.pareto=[throughput,loss], for example)"
         )

@@ -5,25 +5,36 @@ from __future__ import annotations
 from typing import Any
 
 
+class SweepConfigError(ValueError):
+    """A sweep setting that cannot work, as one line naming it and the fix (the sweeper exits 2 on it)."""
+
+
 def distribution_for(override: Any) -> Any:
     """An Optuna distribution from a Hydra sweep override: choice(...), range(...), interval(...), tag(log, ...)."""
     import optuna.distributions as d
     from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, RangeSweep
 
     value = override.value()
+    line = override.input_line
     if isinstance(value, ChoiceSweep):
+        if not value.list:
+            raise SweepConfigError(f"{line}: the choice is empty: give at least one value")
         return d.CategoricalDistribution(list(value.list))
     if isinstance(value, RangeSweep):
+        if value.step <= 0 or value.stop <= value.start:
+            raise SweepConfigError(f"{line}: the range is empty or inverted: write range(low, high) with low < high")
         if all(isinstance(x, int) for x in (value.start, value.stop, value.step)):
             last = value.start + ((value.stop - 1 - value.start) // value.step) * value.step
             return d.IntDistribution(value.start, last, step=value.step)
         return d.FloatDistribution(value.start, value.stop, step=value.step)
     if isinstance(value, IntervalSweep):
+        if value.end <= value.start:
+            raise SweepConfigError(f"{line}: the interval is empty or inverted: write interval(low, high), low < high")
         log_scale = "log" in value.tags
         if "int" in value.tags or all(isinstance(x, int) for x in (value.start, value.end)):
             return d.IntDistribution(int(value.start), int(value.end), log=log_scale)
         return d.FloatDistribution(value.start, value.end, log=log_scale)
-    raise ValueError(f"{override.input_line}: use choice(...), range(...) or interval(...) to search a parameter")
+    raise SweepConfigError(f"{line}: use choice(...), range(...) or interval(...) to search a parameter")
 
 
 def parse_search(arguments: list[str], params: dict[str, str]) -> tuple[dict[str, Any], list[str]]:

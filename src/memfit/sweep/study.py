@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 
 from memfit.sweep.outcome import TrialOutcome, constraint_dict, directions, objective_names, outcome_of
 from memfit.sweep.results import export_preset, ladder_table, log_pareto_plot, summarise
-from memfit.sweep.space import dominated_by, parse_search
+from memfit.sweep.space import SweepConfigError, dominated_by, parse_search
 from memfit.sweep.trials import InProcessTrials, ProcessTrials, app_argv, pid_alive, trial_env
 
 log = logging.getLogger("memfit.sweep")
@@ -35,7 +35,7 @@ def make_sampler(name: str, seed: int | None) -> Any:
         return optuna.samplers.TPESampler(seed=seed)
     if name == "random":
         return optuna.samplers.RandomSampler(seed=seed)
-    raise ValueError(f"hydra.sweeper.sampler={name!r}: use tpe or random")
+    raise SweepConfigError(f"hydra.sweeper.sampler={name!r}: use tpe or random")
 
 
 def _value_text(value: Any) -> str:
@@ -59,7 +59,7 @@ class BudgetSweep:
         s = self.settings
         self.objectives = objective_names(s.objective, list(s.pareto or []))
         if s.direction and len(self.objectives) == 1 and s.direction != directions(self.objectives)[0]:
-            raise ValueError(
+            raise SweepConfigError(
                 f"hydra.sweeper.direction={s.direction} contradicts objective={s.objective}, which is "
                 f"{directions(self.objectives)[0]}d: drop hydra.sweeper.direction or set it to match"
             )
@@ -72,7 +72,9 @@ class BudgetSweep:
             )
             self.trials = InProcessTrials(launcher)
         else:
-            raise ValueError(f"hydra.sweeper.isolation={s.isolation!r}: use process (fresh process per trial) or none")
+            raise SweepConfigError(
+                f"hydra.sweeper.isolation={s.isolation!r}: use process (fresh process per trial) or none"
+            )
 
     # --- study and its MLflow parent run ------------------------------------------------------------------------
     def _study_name(self) -> str:
@@ -89,11 +91,11 @@ class BudgetSweep:
 
         s, cfg = self.settings, self.config
         storage = s.storage or f"sqlite:///{Path(cfg.output_dir).resolve() / 'optuna.db'}"
-        if storage.startswith("sqlite:///"):
-            Path(storage.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         name = self._study_name()
         try:
+            if storage.startswith("sqlite:///"):
+                Path(storage.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
             study = optuna.create_study(
                 study_name=name,
                 storage=storage,
@@ -102,8 +104,14 @@ class BudgetSweep:
                 load_if_exists=True,
             )
         except ValueError as err:  # an existing study with other directions
-            raise ValueError(
+            raise SweepConfigError(
                 f"hydra.sweeper.study_name={name}: {err}; use a new study_name for a different objective"
+            ) from None
+        except Exception as err:  # SQLAlchemy cannot open the URL: wrong driver, host, credentials, path
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise SweepConfigError(
+                f"hydra.sweeper.storage={mask_credentials(storage)} cannot be opened ({mask_credentials(first)[:200]}):"
+                " check the URL, the server and its credentials, or leave storage null for sqlite under output_dir"
             ) from None
         log.info("study %s in %s: %d trials so far", name, mask_credentials(storage), len(study.trials))
         return study
@@ -285,7 +293,10 @@ class BudgetSweep:
         space, fixed = parse_search(arguments, dict(self.settings.params or {}))
         self.fixed = fixed  # the preset carries the fixed settings the trials ran with, not only the searched ones
         if not space:
-            raise ValueError("the sweep has no search space: give hydra.sweeper.params or choice(...) overrides")
+            raise SweepConfigError(
+                "hydra.sweeper.params is empty and no choice(...)/range(...)/interval(...) override was given: "
+                "the sweep has nothing to search"
+            )
         self.studies: list[Any] = []
         self.ladder_run = None
         budgets = sorted(float(b) for b in self.settings.budgets or [])

@@ -1,0 +1,135 @@
+"""What must hold before a run starts that the config alone cannot tell: a writable output_dir with free disk, a
+tracking server that answers, LoRA targets the model has, a budget the device can hold.
+
+Each problem is one line naming the field and the fix (a ConfigError), found before any weights are loaded and
+before anything is recorded.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from memfit.config import ConfigError
+
+GIB = 1024**3
+
+
+def check_output_dir(output_dir: str, min_free_gib: float) -> list[str]:
+    """output_dir can be created and written, and its disk has min_free_gib free (checkpoints, the MLflow store)."""
+    path = Path(output_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".memfit-write-check-{uuid.uuid4().hex}"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as err:
+        return [f"output_dir={output_dir} is not writable ({err.strerror or err}): choose a writable output_dir"]
+    free = shutil.disk_usage(path).free / GIB
+    if free < min_free_gib:
+        return [
+            f"output_dir={output_dir} has {free:.2f} GiB free, less than min_free_disk_gib={min_free_gib:g}: "
+            "free some disk or choose another output_dir"
+        ]
+    return []
+
+
+def check_tracking_server(cfg: DictConfig) -> list[str]:
+    """An http(s) tracking URI must answer now, not fail after hours of training (MLflow retries for minutes)."""
+    uri = cfg.tracking.uri or ""
+    if cfg.tracking.backend == "none" or not uri.startswith(("http://", "https://")):
+        return []
+    import urllib.error
+    import urllib.request
+
+    from memfit.tracking import mask_credentials
+
+    try:
+        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=5) as response:
+            if response.status == 200:
+                return []
+            why = f"HTTP {response.status}"
+    except (urllib.error.URLError, OSError) as err:
+        why = str(getattr(err, "reason", err))
+    return [
+        f"tracking.uri={mask_credentials(uri)} does not answer ({why}): start the server "
+        "(mlflow server --host 127.0.0.1 --port 5000), fix the URI, or use tracking=none"
+    ]
+
+
+def _linear_layer_names(cfg: DictConfig) -> set[str]:
+    """Names of the model's linear layers, from a weightless (meta-device) build of its architecture."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    if cfg.model.name_or_path:
+        hf_config = AutoConfig.from_pretrained(cfg.model.name_or_path)
+    else:
+        values = OmegaConf.to_container(cfg.model.architecture, resolve=True)
+        hf_config = AutoConfig.for_model(values.pop("model_type"), **values)
+    auto = AutoModelForSeq2SeqLM if cfg.model.task == "seq2seq" else AutoModelForCausalLM
+    with torch.device("meta"):
+        model = auto.from_config(hf_config)
+    return {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+def check_lora_targets(cfg: DictConfig) -> list[str]:
+    if not cfg.model.lora.enabled or cfg.model.source == "bert2bert":
+        return []
+    targets = list(cfg.memory.lora_target_modules or cfg.model.lora.target_modules)
+    field = "memory.lora_target_modules" if cfg.memory.lora_target_modules else "model.lora.target_modules"
+    present = _linear_layer_names(cfg)
+    missing = [t for t in targets if t not in present]
+    if not missing:
+        return []
+    return [
+        f"{field} has {', '.join(missing)}, which {cfg.model.name} does not have: "
+        f"its linear layers are {', '.join(sorted(present))}"
+    ]
+
+
+def check_budget(cfg: DictConfig, device: str, device_bytes: int) -> list[str]:
+    if cfg.budget.gib is None or cfg.budget.gib * GIB <= device_bytes:
+        return []
+    where = "this GPU's" if device == "cuda" else "this machine's host"
+    return [
+        f"budget.gib={cfg.budget.gib:g} is larger than {where} {device_bytes / GIB:.1f} GiB: "
+        f"use budget.gib<={int(device_bytes / GIB)} (or null for the whole device)"
+    ]
+
+
+def check_before_run(cfg: DictConfig) -> None:
+    """The checks that need no device: raise ConfigError with every problem."""
+    problems = check_output_dir(cfg.output_dir, cfg.min_free_disk_gib)
+    problems += check_tracking_server(cfg)
+    problems += check_lora_targets(cfg)
+    if problems:
+        raise ConfigError(problems)
+
+
+try:  # the Hydra callback: output_dir is checked before Hydra creates its run directory inside it
+    from hydra.experimental.callback import Callback
+except ImportError:  # pragma: no cover - hydra is a dependency; this keeps the module importable without it
+    Callback = object
+
+
+class OutputDirCheck(Callback):
+    """hydra.callbacks: an unwritable or full output_dir is one line and exit 2, not Hydra's traceback."""
+
+    def _check(self, config: DictConfig) -> None:
+        problems = check_output_dir(config.output_dir, config.get("min_free_disk_gib", 0.0))
+        if problems:
+            for line in problems:
+                print(f"memfit: error: {line}", file=sys.stderr)
+            sys.exit(2)
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._check(config)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._check(config)
