@@ -117,3 +117,27 @@ def test_throughput_leaves_the_first_steps_warm_up_out():
     assert callback.steady_tokens_per_s is None
     callback._windows += [(100, 1.0), (300, 1.0)]  # a slow first step (optimizer state, autotuning), then steady
     assert callback.steady_tokens_per_s == 200.0
+
+
+def test_a_killed_run_resumes_from_its_checkpoint_in_the_same_mlflow_run(tmp_path, monkeypatch):
+    """SIGKILLed after the step-2 checkpoint; rerun with trainer.resume=true: steps 3-6 are exactly those of an
+    uninterrupted run (step, optimizer, scheduler, RNG and data position restored) and MLflow holds one run."""
+    common = [*FAST, "trainer.max_steps=6", "trainer.save_steps=2", "tracking.run_name=resumable"]
+    straight = run_train_py(*common, f"output_dir={tmp_path / 'straight'}")
+    assert straight.returncode == 0, straight.stderr[-2000:]
+
+    monkeypatch.setenv("MEMFIT_FAULTS", "resumable=kill@3")
+    killed = run_train_py(*common, f"output_dir={tmp_path / 'resumed'}")
+    monkeypatch.delenv("MEMFIT_FAULTS")
+    assert killed.returncode == -9  # SIGKILL: nothing of memfit ran after it
+    resumed = run_train_py(*common, "trainer.resume=true", f"output_dir={tmp_path / 'resumed'}")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+
+    client, runs = _runs(tmp_path / "resumed")
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"  # continued, not forked
+    assert runs[0].data.tags["memfit.resumed_from"] == "checkpoint-2"
+    loss = {m.step: m.value for m in client.get_metric_history(runs[0].info.run_id, "train/loss")}
+    reference_client, reference = _runs(tmp_path / "straight")
+    expected = {m.step: m.value for m in reference_client.get_metric_history(reference[0].info.run_id, "train/loss")}
+    assert sorted(loss) == [1, 2, 3, 4, 5, 6]
+    assert [loss[s] for s in (3, 4, 5, 6)] == pytest.approx([expected[s] for s in (3, 4, 5, 6)], rel=1e-5)

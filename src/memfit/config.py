@@ -109,6 +109,7 @@ class TrainerConfig:
     predict_with_generate: bool = False
     device: str = "auto"
     dataloader_num_workers: int = 0
+    resume: bool = False  # continue from the last checkpoint of this run name (and its MLflow run), if there is one
 
 
 @dataclass

@@ -183,7 +183,7 @@ def _train(cfg: DictConfig, ctx: dict[str, Any]) -> RunReport:
     if ctx["device"] == "cuda" and cfg.forensics.memory_history:
         torch.cuda.memory._record_memory_history(max_entries=cfg.forensics.max_entries)
     try:
-        totals = train(ctx["trainer"], ctx["collator"])
+        totals = train(ctx["trainer"], ctx["collator"], ctx["resume"].checkpoint)
     except torch.OutOfMemoryError as err:
         reason = _record_oom(ctx, err)
         raise OutOfMemoryInTraining(reason) from err
@@ -247,7 +247,7 @@ def _prepare_training(cfg: DictConfig, ctx: dict[str, Any]) -> None:
     callback = make_callback(ctx["meter"], ctx["tracker"], collator, cfg.trainer.max_train_tokens)
     callbacks = [callback, *faults.callbacks_for(run_name(cfg))]
     ready = {split: model_columns(ds) for split, ds in ctx["prepared"].datasets.items()}
-    output_dir = str(Path(cfg.output_dir) / "checkpoints" / run_name(cfg))
+    output_dir = str(checkpoint_dir(cfg))
     args = training_arguments(cfg, ctx["device"], output_dir, has_eval="validation" in ready)
     ctx.update(
         callback=callback,
@@ -255,6 +255,44 @@ def _prepare_training(cfg: DictConfig, ctx: dict[str, Any]) -> None:
         collator=collator,
         trainer=build_trainer(cfg, built.model, ctx["tokenizer"], ready, args, collator, callbacks),
     )
+
+
+@dataclass
+class ResumePoint:
+    checkpoint: str | None = None  # the last checkpoint directory, for Trainer.train(resume_from_checkpoint=...)
+    run_id: str | None = None  # the MLflow run that wrote it, continued instead of forking a new one
+
+
+def checkpoint_dir(cfg: DictConfig) -> Path:
+    return Path(cfg.output_dir) / "checkpoints" / run_name(cfg)
+
+
+def find_resume_point(cfg: DictConfig) -> ResumePoint:
+    """With trainer.resume=true: the last checkpoint of this run name and its MLflow run, if there is one."""
+    import json
+
+    if not cfg.trainer.resume or not checkpoint_dir(cfg).is_dir():
+        return ResumePoint()
+    from transformers.trainer_utils import get_last_checkpoint
+
+    checkpoint = get_last_checkpoint(str(checkpoint_dir(cfg)))
+    marker = checkpoint_dir(cfg) / "memfit_run.json"
+    run_id = json.loads(marker.read_text()).get("run_id") if marker.exists() and checkpoint else None
+    if checkpoint:
+        log.info("resuming from %s (MLflow run %s)", checkpoint, run_id or "new")
+    return ResumePoint(checkpoint, run_id)
+
+
+def remember_run(cfg: DictConfig, tracker: Any, resume: ResumePoint) -> None:
+    """Checkpointed runs note their MLflow run beside the checkpoints, so that a resume continues it."""
+    import json
+
+    if tracker.run_id is None or not cfg.trainer.save_steps:
+        return
+    checkpoint_dir(cfg).mkdir(parents=True, exist_ok=True)
+    (checkpoint_dir(cfg) / "memfit_run.json").write_text(json.dumps({"run_id": tracker.run_id}))
+    if resume.checkpoint:
+        tracker.set_tags({"memfit.resumed_from": Path(resume.checkpoint).name})
 
 
 def _fill_from_preflight(report: RunReport, preflight: Any, audit: Any) -> None:
@@ -295,9 +333,18 @@ def run(cfg: DictConfig) -> RunReport:
         raise ConfigError(problems)
     cap = apply_budget(cfg, device, meter.total_bytes())
     log.info("device %s, memory meter: %s, budget: %s", device, meter.label, cap.label)
-    tracker = start_tracking(cfg, run_name(cfg), run_tags(cfg, device, meter.label))
+    resume = find_resume_point(cfg)
+    tracker = start_tracking(cfg, run_name(cfg), run_tags(cfg, device, meter.label), run_id=resume.run_id)
+    remember_run(cfg, tracker, resume)
     ctx: dict[str, Any] = dict(
-        cfg=cfg, device=device, tokenizer=tokenizer, prepared=prepared, meter=meter, cap=cap, tracker=tracker
+        cfg=cfg,
+        device=device,
+        tokenizer=tokenizer,
+        prepared=prepared,
+        meter=meter,
+        cap=cap,
+        tracker=tracker,
+        resume=resume,
     )
     preflight = None
     try:

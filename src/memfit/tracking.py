@@ -51,6 +51,9 @@ class NullTracker:
 
     run_id: str | None = None
 
+    def flush(self) -> None:
+        pass
+
     def log_params(self, params: dict[str, Any]) -> None:
         pass
 
@@ -105,9 +108,15 @@ class MlflowTracker:
         log.info("MLflow run %s (%s) in %s", run_name, self.run_id, mask_credentials(uri))
 
     def log_params(self, params: dict[str, Any]) -> None:
+        """Params are write-once in MLflow: a continued run keeps the values it started with, and notes in the tag
+        `memfit.changed_params` which ones the continuation changed (trainer.resume, for one)."""
         from mlflow.entities import Param
 
-        items = [Param(k, str(v)[:6000]) for k, v in params.items()]
+        existing = self.client.get_run(self.run_id).data.params
+        changed = sorted(k for k, v in params.items() if k in existing and existing[k] != str(v)[:6000])
+        if changed:
+            self.client.set_tag(self.run_id, "memfit.changed_params", ",".join(changed)[:5000])
+        items = [Param(k, str(v)[:6000]) for k, v in params.items() if k not in existing]
         for start in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
             self.client.log_batch(self.run_id, params=items[start : start + 100])
 
@@ -178,9 +187,12 @@ def open_run(cfg: DictConfig, run_name: str, tags: dict[str, str], run_id: str |
     )
 
 
-def start_tracking(cfg: DictConfig, run_name: str, tags: dict[str, str]) -> MlflowTracker | NullTracker:
+def start_tracking(
+    cfg: DictConfig, run_name: str, tags: dict[str, str], run_id: str | None = None
+) -> MlflowTracker | NullTracker:
+    """A new run, or the run `run_id` / `tracking.run_id` names (a resumed run continues its own)."""
     if cfg.tracking.backend == "none":
         return NullTracker()
     if cfg.tracking.parent_run_id:
         tags = {**tags, "mlflow.parentRunId": cfg.tracking.parent_run_id}
-    return open_run(cfg, run_name, tags, run_id=cfg.tracking.get("run_id"))
+    return open_run(cfg, run_name, tags, run_id=run_id or cfg.tracking.get("run_id"))

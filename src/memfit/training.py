@@ -71,6 +71,9 @@ class MemoryLoggingCallback:
         self.meter.reset_window()
         self._last_time, self._last_tokens = time.perf_counter(), self.collator.tokens
 
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.tracker.flush()  # a checkpoint's steps are in MLflow: a resumed run's history has no gap
+
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.max_train_tokens and self.collator.tokens >= self.max_train_tokens:
             control.should_training_stop = True  # the token budget is spent: the same data for every batch size
@@ -154,9 +157,10 @@ def _final_eval_loss(trainer: Any, last_step: int) -> float | None:
     return trainer.evaluate().get("eval_loss")
 
 
-def train(trainer: Any, collator: CountingCollator) -> TrainingTotals:
+def train(trainer: Any, collator: CountingCollator, resume_from: str | None = None) -> TrainingTotals:
+    """Train (from `resume_from`, a checkpoint: step, optimizer, scheduler, RNG and data position restored)."""
     start = time.perf_counter()
-    result = trainer.train()
+    result = trainer.train(resume_from_checkpoint=resume_from)
     wall = time.perf_counter() - start  # training only: the closing evaluation below is not in tokens/s
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return TrainingTotals(
