@@ -88,6 +88,8 @@ BAD = [
     (["memory.optimizer=adamw_8bit", "trainer.device=cpu"], "memory.optimizer=adamw_8bit needs a CUDA GPU"),
     (["trainer.max_steps=0"], "trainer.max_steps/num_train_epochs give no training"),
     (["data.targets=[summary]"], "data.targets has 'summary'"),
+    (["+model.lora.init._target_=os.system"], "model.lora.init._target_=os.system is not allowed"),
+    (["+extra._target_=subprocess.run"], "extra._target_=subprocess.run is not allowed"),
 ]
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 TASKS = ("seq2seq", "causal")
 MODEL_SOURCES = ("random", "pretrained", "bert2bert")
@@ -299,6 +299,23 @@ def _validate_device_needs(cfg: DictConfig, problems: list[str], cuda_available:
         problems.append("memory.precision=fp16 needs a CUDA GPU: use memory.precision=bf16 or fp32 on CPU")
 
 
+# `_target_` values a config may name: memfit's own classes and the libraries it is built on. A config is data; a
+# `_target_` elsewhere (os.system, subprocess.run, ...) would turn a YAML file or an override into code execution.
+TARGET_NAMESPACES = ("memfit.", "hydra_plugins.", "transformers.", "torch.", "peft.", "optuna.", "datasets.")
+
+
+def _validate_targets(node: Any, path: str, problems: list[str]) -> None:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            where = f"{path}.{key}" if path else str(key)
+            if key == "_target_" and not str(value).startswith(TARGET_NAMESPACES):
+                problems.append(f"{where}={value} is not allowed: a _target_ must be in {', '.join(TARGET_NAMESPACES)}")
+            _validate_targets(value, where, problems)
+    elif isinstance(node, list):
+        for index, value in enumerate(node):
+            _validate_targets(value, f"{path}[{index}]", problems)
+
+
 def _cuda_available() -> bool:
     if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
         return False
@@ -312,6 +329,7 @@ def validate(cfg: DictConfig, cuda_available: bool | None = None) -> None:
     from memfit.data import check_data_source  # data knows its own formats and columns
 
     problems: list[str] = []
+    _validate_targets(OmegaConf.to_container(cfg, resolve=False), "", problems)
     _validate_model(cfg, problems)
     _validate_lengths(cfg, problems)
     _validate_memory(cfg, problems)
