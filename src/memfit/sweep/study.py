@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import socket
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from memfit.sweep.outcome import TrialOutcome, constraint_dict, directions, objective_names, outcome_of
-from memfit.sweep.results import export_preset, ladder_table, log_pareto_plot, summarise
+from memfit.sweep.results import ladder_table, log_pareto_plot, summarise
 from memfit.sweep.space import SweepConfigError, dominated_by, parse_search
 from memfit.sweep.trials import InProcessTrials, ProcessTrials, app_argv, pid_alive, trial_env
 
@@ -51,6 +52,8 @@ class BudgetSweep:
         self.objectives: list[str] = []
         self.budget_gib: float | None = None
         self.fixed: list[str] = []
+        self.studies: list[Any] = []  # finished studies of this command (a ladder's smaller budgets)
+        self.ladder_run: Any = None
 
     def setup(self, *, hydra_context: Any, task_function: Any, config: DictConfig) -> None:
         from hydra.core.plugins import Plugins
@@ -267,7 +270,7 @@ class BudgetSweep:
                 count = min(self.settings.n_jobs, self.settings.n_trials - done)
                 trials = [study.ask(space) for _ in range(count)]
                 for trial in trials:
-                    trial.storage.set_trial_system_attr(trial._trial_id, "memfit:owner", [HOST, _own_pid()])
+                    trial.storage.set_trial_system_attr(trial._trial_id, "memfit:owner", [HOST, os.getpid()])
                 trials = [t for t in trials if not self._told_without_running(study, t, parent)]
                 if not trials:
                     continue
@@ -297,8 +300,6 @@ class BudgetSweep:
                 "hydra.sweeper.params is empty and no choice(...)/range(...)/interval(...) override was given: "
                 "the sweep has nothing to search"
             )
-        self.studies: list[Any] = []
-        self.ladder_run = None
         budgets = sorted(float(b) for b in self.settings.budgets or [])
         if not budgets:
             self.budget_gib = self.config.budget.gib
@@ -326,12 +327,3 @@ class BudgetSweep:
 
         name = f"ladder-{cfg.model.name}-{cfg.data.name}-" + "-".join(f"{b:g}" for b in budgets) + "GiB"
         return open_run(cfg, name, {"memfit.ladder": ",".join(f"{b:g}" for b in budgets)})
-
-    def export(self, study: Any, best: Any) -> Path:
-        return export_preset(study, best, self)
-
-
-def _own_pid() -> int:
-    import os
-
-    return os.getpid()
