@@ -86,13 +86,16 @@ def readme_command(prefix: str) -> list[str]:
     raise AssertionError(f"README has no command starting with {prefix!r}")
 
 
-def run_train_py(*args: str, cwd: Path = ROOT, timeout: int = 600) -> subprocess.CompletedProcess:
-    """`python train.py ARGS` in a fresh process, as a user runs it."""
+def run_train_py(*args: str, cwd: Path = ROOT, timeout: int = 600, quiet: bool = True) -> subprocess.CompletedProcess:
+    """`python train.py ARGS` in a fresh process, as a user runs it (quiet: as under CI, no progress bars)."""
+    env = train_py_env()
+    if not quiet:
+        env.pop("CI", None)
     return subprocess.run(
         [sys.executable, str(ROOT / "train.py"), *args],
         cwd=cwd,
         capture_output=True,
         text=True,
-        env=train_py_env(),
+        env=env,
         timeout=timeout,
     )

@@ -236,6 +236,7 @@ def test_faults_in_trials_and_a_killed_sweeper_lose_nothing(tmp_path):
         first.wait()
     again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
+    assert f"sweep {name}" not in again.stderr  # CI=1: no progress bar in logs
 
     study = optuna.load_study(study_name=name, storage=storage)
     trials = sorted(study.trials, key=lambda t: t.number)
@@ -282,9 +283,11 @@ def test_the_loss_recipe_compares_eval_loss_after_the_same_token_budget(tmp_path
         f"hydra.sweep.dir={tmp_path}/sweep",
         f"hydra.sweeper.preset_dir={tmp_path}/preset",
     ]
-    out = run_train_py(*args)
+    out = run_train_py(*args, quiet=False)  # as at a terminal: the sweep shows its progress
     assert out.returncode == 0, out.stderr[-3000:]
     name = "memfit-tiny_seq2seq-aclsum-nobudget"
+    progress = [line for line in out.stderr.splitlines() if line.startswith(f"sweep {name}")]
+    assert progress and "3/3" in progress[-1] and "best loss" in progress[-1], out.stderr[-2000:]
     study = optuna.load_study(study_name=name, storage=f"sqlite:///{tmp_path}/optuna.db")
     assert study.direction == optuna.study.StudyDirection.MINIMIZE
     done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]

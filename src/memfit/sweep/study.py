@@ -10,10 +10,12 @@ each budget starts from what the smaller ones measured.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,36 @@ def make_sampler(name: str, seed: int | None) -> Any:
     if name == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     raise SweepConfigError(f"hydra.sweeper.sampler={name!r}: use tpe or random")
+
+
+@contextlib.contextmanager
+def sweep_progress(name: str, total: int) -> Iterator[Any]:
+    """A rich progress bar over the study's trials (done of n_trials, best so far), on stderr; quiet under CI."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    progress = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[best]}"),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        disable=bool(os.environ.get("CI")),
+    )
+    task = progress.add_task(f"sweep {name}", total=total, best="")
+    with progress:
+        yield lambda done, best: progress.update(task, completed=done, best=best)
+
+
+def _best_text(study: Any, objectives: list[str]) -> str:
+    from memfit.sweep.outcome import is_feasible
+
+    feasible = [t for t in study.trials if is_feasible(t)]
+    if not feasible:
+        return "no feasible trial yet"
+    pick = max if directions(objectives)[0] == "maximize" else min
+    return f"best {objectives[0]} {pick(t.values[0] for t in feasible):.4g}"
 
 
 def _value_text(value: Any) -> str:
@@ -266,20 +298,8 @@ class BudgetSweep:
                 from memfit.sweep.ladder import reuse_measurements
 
                 reuse_measurements(study, earlier, self._limit_gib(), self.objectives)
-            while (done := self._new_trials_done(study)) < self.settings.n_trials:
-                count = min(self.settings.n_jobs, self.settings.n_trials - done)
-                trials = [study.ask(space) for _ in range(count)]
-                for trial in trials:
-                    trial.storage.set_trial_system_attr(trial._trial_id, "memfit:owner", [HOST, os.getpid()])
-                trials = [t for t in trials if not self._told_without_running(study, t, parent)]
-                if not trials:
-                    continue
-                children = [self._child_run(parent, t) for t in trials]
-                batch = [self._trial_overrides(t, fixed, parent) for t in trials]
-                results = self.trials.launch(batch, self.job_idx)
-                self.job_idx += len(results)
-                for trial, result, child in zip(trials, results, children, strict=True):
-                    self._tell(study, trial, result, child)
+            with sweep_progress(study.study_name, self.settings.n_trials) as show:
+                self._run_trials(study, space, fixed, parent, show)
             best = summarise(study, self, parent)
             if parent is not None:
                 log_pareto_plot(study, self, parent)
@@ -291,6 +311,25 @@ class BudgetSweep:
             parent.finish("FINISHED")
         self.studies.append(study)
         return best
+
+    def _run_trials(self, study: Any, space: dict[str, Any], fixed: list[str], parent: Any, show: Any) -> None:
+        """Ask, run and tell until the study holds n_trials new trials."""
+        while (done := self._new_trials_done(study)) < self.settings.n_trials:
+            show(done, _best_text(study, self.objectives))
+            count = min(self.settings.n_jobs, self.settings.n_trials - done)
+            trials = [study.ask(space) for _ in range(count)]
+            for trial in trials:
+                trial.storage.set_trial_system_attr(trial._trial_id, "memfit:owner", [HOST, os.getpid()])
+            trials = [t for t in trials if not self._told_without_running(study, t, parent)]
+            if not trials:
+                continue
+            children = [self._child_run(parent, t) for t in trials]
+            batch = [self._trial_overrides(t, fixed, parent) for t in trials]
+            results = self.trials.launch(batch, self.job_idx)
+            self.job_idx += len(results)
+            for trial, result, child in zip(trials, results, children, strict=True):
+                self._tell(study, trial, result, child)
+        show(self._new_trials_done(study), _best_text(study, self.objectives))
 
     def sweep(self, arguments: list[str]) -> list[Any]:
         space, fixed = parse_search(arguments, dict(self.settings.params or {}))
