@@ -92,11 +92,11 @@ class MlflowTracker:
 
         self.client = MlflowClient(tracking_uri=uri)
         self.uri = uri
+        self.continued = bool(run_id)
         if run_id:  # continue a run someone created (the sweeper, or an interrupted run being resumed)
             self.run_id = run_id
             self.client.update_run(run_id, status="RUNNING", name=run_name)
-            for key, value in tags.items():
-                self.client.set_tag(run_id, key, value)
+            self.set_tags(tags)
         else:
             found = self.client.get_experiment_by_name(experiment)
             experiment_id = (
@@ -112,7 +112,7 @@ class MlflowTracker:
         `memfit.changed_params` which ones the continuation changed (trainer.resume, for one)."""
         from mlflow.entities import Param
 
-        existing = self.client.get_run(self.run_id).data.params
+        existing = self.client.get_run(self.run_id).data.params if self.continued else {}
         changed = sorted(k for k, v in params.items() if k in existing and existing[k] != str(v)[:6000])
         if changed:
             self.client.set_tag(self.run_id, "memfit.changed_params", ",".join(changed)[:5000])
