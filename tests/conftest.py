@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -99,3 +105,44 @@ def run_train_py(*args: str, cwd: Path = ROOT, timeout: int = 600, quiet: bool =
         env=env,
         timeout=timeout,
     )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(command: list[str], port: int, cwd: Path, timeout_s: float = 90) -> Iterator[str]:
+    """Run an MLflow server command until the block ends; yields its base URL once /health answers."""
+    server = subprocess.Popen(
+        command, cwd=cwd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + timeout_s
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                    assert response.read().decode().strip() == "OK"
+                    break
+            except OSError:
+                assert server.poll() is None, f"{command[:2]} exited with {server.returncode}"
+                assert time.time() < deadline, f"{command[:2]} did not answer /health within {timeout_s:.0f} s"
+                time.sleep(1)
+        yield url
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)  # mlflow leaves worker processes behind otherwise
+        server.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def readme_budget_sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The README's CPU budget sweep, run once per session: its output dir (MLflow store, Optuna study, presets)
+    and the completed process. Tests read it; none writes into it."""
+    out = tmp_path_factory.mktemp("readme_sweep")
+    sweep = readme_command("python train.py -m sweep=budget")[2:]
+    done = run_train_py(*sweep, f"output_dir={out}", f"hydra.sweeper.preset_dir={out}/presets/preset")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out, done

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-import signal
-import socket
 import subprocess
-import time
 import urllib.request
 
 import pytest
@@ -15,14 +12,14 @@ from mlflow.tracking import MlflowClient
 
 from memfit.tracking import default_tracking_uri
 
-from .conftest import ROOT, readme_command, run_train_py
+from .conftest import ROOT, free_port, readme_command, run_train_py, serving
 
 pytestmark = pytest.mark.slow
 
 
-def run_train(argv: list[str], tmp_path, cwd=ROOT) -> subprocess.CompletedProcess:
+def run_train(argv: list[str], tmp_path, cwd=ROOT, quiet=True) -> subprocess.CompletedProcess:
     assert argv[:2] == ["python", "train.py"]
-    out = run_train_py(*argv[2:], f"output_dir={tmp_path}", cwd=cwd)
+    out = run_train_py(*argv[2:], f"output_dir={tmp_path}", cwd=cwd, quiet=quiet)
     assert out.returncode == 0, out.stderr[-3000:]
     return out
 
@@ -48,14 +45,12 @@ def test_qwen_lora_on_own_jsonl_example(tmp_path):
     assert int(run.data.params["memfit.trainable_params"]) < int(run.data.params["memfit.total_params"]) / 50
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_preflight_only_example(tmp_path):
-    run_train(readme_command("python train.py model=tiny_seq2seq preflight_only=true"), tmp_path)
+    command = readme_command("python train.py model=tiny_seq2seq preflight_only=true")
+    shown = run_train(command, tmp_path, quiet=False).stderr  # as at a terminal: long work shows progress
+    assert re.search(r"^Map: 100%.* 300/300", shown, re.M)  # tokenizing the training split
+    assert re.search(r"^preflight .* 1/1 ", shown, re.M)  # the worst-batch probes
+    assert re.search(r"^max batch search .* largest fitting batch \d+", shown, re.M)
     report = next(tmp_path.glob("runs/*/*/report.json")).read_text()
     assert '"max_batch"' in report and '"status": "ok"' in report
     run = finished_runs(tmp_path)[0]
@@ -67,39 +62,20 @@ def test_compare_policies_then_open_the_mlflow_ui(tmp_path):
     runs = finished_runs(tmp_path)
     assert sorted(r.data.tags["memfit.memory"] for r in runs) == ["balanced", "off", "tight"]
     ui = readme_command("mlflow ui")
-    port = str(_free_port())
-    ui[ui.index("--port") + 1] = port
+    port = free_port()
+    ui[ui.index("--port") + 1] = str(port)
     ui[ui.index("--backend-store-uri") + 1] = default_tracking_uri(str(tmp_path))
     assert ui[ui.index("--host") + 1] == "127.0.0.1"
-    server = subprocess.Popen(
-        ui, cwd=tmp_path, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-                    assert response.read().decode().strip() == "OK"
-                    break
-            except OSError:
-                assert time.time() < deadline, "mlflow ui did not answer /health within 60 s"
-                time.sleep(1)
+    with serving(ui, port, cwd=tmp_path) as url:
         query = json.dumps({"experiment_ids": [runs[0].info.experiment_id]}).encode()
         request = urllib.request.Request(
-            f"http://127.0.0.1:{port}/api/2.0/mlflow/runs/search",
-            data=query,
-            headers={"Content-Type": "application/json"},
+            f"{url}/api/2.0/mlflow/runs/search", data=query, headers={"Content-Type": "application/json"}
         )
         with urllib.request.urlopen(request, timeout=10) as response:
             served = json.loads(response.read())["runs"]
-        assert len(served) == 3
-        keys = {m["key"] for m in served[0]["data"]["metrics"]}
-        assert {"summary/peak_allocated_gib", "train/loss"} <= keys
-    finally:
-        import os
-
-        os.killpg(server.pid, signal.SIGTERM)  # mlflow leaves worker processes behind otherwise
-        server.wait(timeout=30)
+    assert len(served) == 3
+    keys = {m["key"] for m in served[0]["data"]["metrics"]}
+    assert {"summary/peak_allocated_gib", "train/loss"} <= keys
 
 
 def test_readme_test_command_matches_ci():

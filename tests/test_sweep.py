@@ -54,12 +54,9 @@ def test_the_sweeper_plugin_is_discovered():
 
 
 @pytest.mark.slow
-def test_the_readme_budget_sweep_finds_and_exports_a_preset(tmp_path):
-    sweep = readme_command("python train.py -m sweep=budget")[2:]
-    common = [*sweep, f"output_dir={tmp_path}", f"hydra.sweeper.preset_dir={tmp_path}/presets/preset"]
-    first = run_train_py(*common)
-    assert first.returncode == 0, first.stderr[-3000:]
-    name, storage = "memfit-tiny_seq2seq-aclsum-1.6GiB", f"sqlite:///{tmp_path}/optuna.db"
+def test_the_readme_budget_sweep_finds_and_exports_a_preset(readme_budget_sweep, tmp_path):
+    swept, first = readme_budget_sweep
+    name, storage = "memfit-tiny_seq2seq-aclsum-1.6GiB", f"sqlite:///{swept}/optuna.db"
     study = optuna.load_study(study_name=name, storage=storage)
     assert len(study.trials) == 6 and all(t.constraints for t in study.trials)  # a constraint on every trial
     infeasible = [t for t in study.trials if t.constraints["memory_gib"] > 0]
@@ -68,7 +65,7 @@ def test_the_readme_budget_sweep_finds_and_exports_a_preset(tmp_path):
     assert "preflight_failed" in statuses and statuses <= {"preflight_failed", "predicted_infeasible"}
     assert "best feasible trial" in first.stderr + first.stdout
 
-    client = MlflowClient(default_tracking_uri(str(tmp_path)))
+    client = MlflowClient(default_tracking_uri(str(swept)))
     runs = client.search_runs([client.get_experiment_by_name("memfit").experiment_id])
     parents = [r for r in runs if "memfit.sweep" in r.data.tags]
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
@@ -82,13 +79,13 @@ def test_the_readme_budget_sweep_finds_and_exports_a_preset(tmp_path):
         if r.info.status == "FAILED"
     )
 
-    preset = tmp_path / "presets" / "preset" / "tiny_seq2seq-aclsum-1.6gib.yaml"
+    preset = swept / "presets" / "preset" / "tiny_seq2seq-aclsum-1.6gib.yaml"
     assert preset.read_text().startswith(
         "# @package _global_"
     )  # resuming: see test_faults_in_trials_and_a_killed_sweeper_lose_nothing
 
     use = readme_command("python train.py model=tiny_seq2seq +preset=")[2:]
-    trained = run_train_py(*use, f"hydra.searchpath=[file://{tmp_path}/presets]", f"output_dir={tmp_path}/use")
+    trained = run_train_py(*use, f"hydra.searchpath=[file://{swept}/presets]", f"output_dir={tmp_path}/use")
     assert trained.returncode == 0, trained.stderr[-2000:]
     exported = OmegaConf.load(preset)
     client = MlflowClient(default_tracking_uri(str(tmp_path / "use")))

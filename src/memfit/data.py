@@ -311,11 +311,15 @@ class PreparedData:
 def load_and_tokenize(cfg: DictConfig, tokenizer: Any) -> PreparedData:
     """The run's train/validation datasets, tokenized under the memory policy's lengths, with their audit."""
     from datasets import DatasetDict
-    from datasets.utils.logging import disable_progress_bar
+    from datasets.utils.logging import disable_progress_bar, enable_progress_bar
 
     from memfit.audit import audit_lengths
+    from memfit.progress import quiet
 
-    disable_progress_bar()  # tokenization of a few thousand rows is instant; its bars only clutter the log
+    if quiet():  # datasets' own bars show tokenization, quiet under CI like the rest
+        disable_progress_bar()
+    else:
+        enable_progress_bar()
     pairs = load_pairs(cfg.data, cfg.model.task)
     max_source, max_label = effective_lengths(cfg)
     spec = TokenizeSpec(cfg.model.task, max_source, max_label, cfg.memory.overlength)

@@ -266,8 +266,11 @@ def fits(probes: list[Probe], limit: int) -> bool:
     return all(not p.oom and p.judged_bytes <= limit for p in probes)
 
 
-def find_max_batch(setup: ProbeSetup, shape: BatchShape, limit: int, upper: int) -> int | None:
-    """The largest batch whose worst case fits: doubling, then bisection, always on the worst shape.
+def find_max_batch(
+    setup: ProbeSetup, shape: BatchShape, limit: int, upper: int, on_probe: Callable[[int], None] | None = None
+) -> int | None:
+    """The largest batch whose worst case fits: doubling, then bisection, always on the worst shape. `on_probe` is
+    told each batch size before it is probed (the progress bar).
 
     A batch that the last fitting probe, scaled linearly in batch size, puts well over the limit is taken as not
     fitting without being run: on CPU nothing caps the allocator, so such a probe could take the whole host down.
@@ -281,6 +284,8 @@ def find_max_batch(setup: ProbeSetup, shape: BatchShape, limit: int, upper: int)
             activations = max(base.judged_bytes - base.static_bytes, 0)
             if base.static_bytes + activations * batch / max(fitting) > 1.1 * limit:
                 return False
+        if on_probe is not None:
+            on_probe(batch)
         probes = probe(setup, BatchShape(batch, shape.source, shape.label))
         measured[batch] = probes[0]
         return fits(probes, limit)

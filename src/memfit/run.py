@@ -90,6 +90,7 @@ def _log_audit(prepared: Any, tracker: Any) -> None:
 def _run_preflight(cfg: DictConfig, ctx: dict[str, Any]) -> Any:
     """Probe the audit's worst batches under the budget; raise PreflightFailed when they do not fit."""
     from memfit.preflight import PreflightFailed, PreflightReport, ProbeSetup, find_max_batch, fits, probe, suggest
+    from memfit.progress import progress_bar
 
     trainer, built, audit = ctx["trainer"], ctx["built"], ctx["prepared"].audit
     cap, meter = ctx["cap"], ctx["meter"]
@@ -123,13 +124,24 @@ def _run_preflight(cfg: DictConfig, ctx: dict[str, Any]) -> Any:
     start = time.perf_counter()
     probes = []
     eval_shape = audit.worst_eval if cfg.memory.eval_enabled else None
-    for index, shape in enumerate(audit.worst_train):
-        probes += probe(setup, shape, eval_shape if index == 0 else None)
+    with progress_bar("preflight", len(audit.worst_train)) as show:
+        for index, shape in enumerate(audit.worst_train):
+            show(note=f"train {shape.describe(cfg.model.task)}")
+            probes += probe(setup, shape, eval_shape if index == 0 else None)
+            show(advance=1)
     passed = fits(probes, limit)
     report = PreflightReport(passed, probes, limit, int(budget), meter.label, cfg.model.task)
     if passed and (cfg.preflight.find_max_batch or cfg.preflight_only):
         worst_shape = max(audit.worst_train, key=lambda s: s.tokens)
-        report.max_batch = find_max_batch(setup, worst_shape, limit, cfg.preflight.max_batch_limit)
+        with progress_bar("max batch search", None) as show:
+            report.max_batch = find_max_batch(
+                setup,
+                worst_shape,
+                limit,
+                cfg.preflight.max_batch_limit,
+                on_probe=lambda batch: show(advance=1, note=f"probing batch {batch}"),
+            )
+            show(note=f"largest fitting batch {report.max_batch}")
     if not passed:
         report.suggestions = suggest(
             probes,

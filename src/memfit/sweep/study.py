@@ -10,17 +10,16 @@ each budget starts from what the smaller ones measured.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
+from memfit.progress import progress_bar
 from memfit.sweep.outcome import TrialOutcome, constraint_dict, directions, objective_names, outcome_of
 from memfit.sweep.results import ladder_table, log_pareto_plot, summarise
 from memfit.sweep.space import SweepConfigError, dominated_by, parse_search
@@ -39,26 +38,6 @@ def make_sampler(name: str, seed: int | None) -> Any:
     if name == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     raise SweepConfigError(f"hydra.sweeper.sampler={name!r}: use tpe or random")
-
-
-@contextlib.contextmanager
-def sweep_progress(name: str, total: int) -> Iterator[Any]:
-    """A rich progress bar over the study's trials (done of n_trials, best so far), on stderr; quiet under CI."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    progress = Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[best]}"),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),
-        disable=bool(os.environ.get("CI")),
-    )
-    task = progress.add_task(f"sweep {name}", total=total, best="")
-    with progress:
-        yield lambda done, best: progress.update(task, completed=done, best=best)
 
 
 def _best_text(study: Any, objectives: list[str]) -> str:
@@ -298,7 +277,7 @@ class BudgetSweep:
                 from memfit.sweep.ladder import reuse_measurements
 
                 reuse_measurements(study, earlier, self._limit_gib(), self.objectives)
-            with sweep_progress(study.study_name, self.settings.n_trials) as show:
+            with progress_bar(f"sweep {study.study_name}", self.settings.n_trials) as show:
                 self._run_trials(study, space, fixed, parent, show)
             best = summarise(study, self, parent)
             if parent is not None:
@@ -315,7 +294,7 @@ class BudgetSweep:
     def _run_trials(self, study: Any, space: dict[str, Any], fixed: list[str], parent: Any, show: Any) -> None:
         """Ask, run and tell until the study holds n_trials new trials."""
         while (done := self._new_trials_done(study)) < self.settings.n_trials:
-            show(done, _best_text(study, self.objectives))
+            show(completed=done, note=_best_text(study, self.objectives))
             count = min(self.settings.n_jobs, self.settings.n_trials - done)
             trials = [study.ask(space) for _ in range(count)]
             for trial in trials:
@@ -329,7 +308,7 @@ class BudgetSweep:
             self.job_idx += len(results)
             for trial, result, child in zip(trials, results, children, strict=True):
                 self._tell(study, trial, result, child)
-        show(self._new_trials_done(study), _best_text(study, self.objectives))
+        show(completed=self._new_trials_done(study), note=_best_text(study, self.objectives))
 
     def sweep(self, arguments: list[str]) -> list[Any]:
         space, fixed = parse_search(arguments, dict(self.settings.params or {}))
