@@ -29,7 +29,9 @@ BUDGET_GIB = 24
 EFFECTIVE_BATCH = 32
 
 
-def build_dataset(path: Path, samples: int = 400, long_share: float = 0.01, seed: int = 0) -> dict:
+def build_dataset(
+    path: Path, samples: int = 400, long_share: float = 0.01, seed: int = 0, long_words: tuple[int, int] = (380, 760)
+) -> dict:
     from aclsum import ACLSum
 
     rng = random.Random(seed)
@@ -44,7 +46,8 @@ def build_dataset(path: Path, samples: int = 400, long_share: float = 0.01, seed
     long_rows = rng.sample(range(samples), max(1, int(samples * long_share)))
     for index in long_rows:
         words = (rows[index]["intro"] + " " + rows[(index + 1) % samples]["intro"]).split()
-        rows[index]["target"] = " ".join(words[: rng.randint(380, 760)])  # ~500-1000 WordPiece tokens
+        # (380, 760) words: ~500-1000 WordPiece tokens
+        rows[index]["target"] = " ".join(words[: rng.randint(*long_words)])
     path.write_text("".join(json.dumps({"source": r["source"], "target": r["target"]}) + "\n" for r in rows))
     return {"samples": samples, "long_label_rows": sorted(long_rows)}
 

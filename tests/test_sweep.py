@@ -162,6 +162,32 @@ def test_a_configuration_larger_than_an_infeasible_one_is_not_run():
     assert dominated_by({"trainer.batch_size": 8, "memory.max_label_length": 256, "x": 1}, [oom]) is None
 
 
+def test_a_configuration_measured_before_is_told_from_that_measurement_not_run_again():
+    from memfit.sweep import BudgetSweep
+
+    sweep = BudgetSweep()
+    sweep.objectives = ["throughput"]
+    study = optuna.create_study(direction="maximize")
+    space = {"trainer.batch_size": optuna.distributions.CategoricalDistribution([4, 8])}
+    study.enqueue_trial({"trainer.batch_size": 8})
+    measured = study.ask(space)
+    assert not sweep._told_without_running(study, measured, None)  # nothing known yet: it runs
+    measured.set_user_attr("status", "ok")
+    measured.set_user_attr("gpu_seconds", 41.0)
+    measured.set_constraint("memory_gib", -2.5)
+    study.tell(measured, 1234.0)
+
+    study.enqueue_trial({"trainer.batch_size": 8})
+    study.enqueue_trial({"trainer.batch_size": 4})
+    again, other = study.ask(space), study.ask(space)
+    assert sweep._told_without_running(study, again, None)
+    assert not sweep._told_without_running(study, other, None)
+    told = study.trials[again.number]
+    assert told.values == [1234.0] and told.user_attrs["repeat_of"] == measured.number
+    assert told.user_attrs["gpu_seconds"] == 0.0 and told.user_attrs["status"] == "ok"
+    assert told.constraints == {"memory_gib": -2.5}
+
+
 def test_the_constraint_uses_the_limit_the_preflight_judged_by():
     report = {"status": "ok", "worst_case_peak_gib": 20.0, "limit_gib": 19.0, "tokens_per_s": 1.0}
     outcome = outcome_of(report, None, 23.5, ["throughput"], 0.0)

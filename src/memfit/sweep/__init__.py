@@ -2,7 +2,7 @@
 the budget ladder and the results it leaves."""
 
 from memfit.sweep.outcome import TrialOutcome, objective_names, outcome_of
-from memfit.sweep.space import dominated_by, parse_search
+from memfit.sweep.space import dominated_by, parse_search, repeat_of
 from memfit.sweep.study import BudgetSweep
 
-__all__ = ["BudgetSweep", "TrialOutcome", "dominated_by", "objective_names", "outcome_of", "parse_search"]
+__all__ = ["BudgetSweep", "TrialOutcome", "dominated_by", "objective_names", "outcome_of", "parse_search", "repeat_of"]

@@ -78,3 +78,9 @@ def dominated_by(params: dict[str, Any], finished: list[Any]) -> Any | None:
         ):
             return other
     return None
+
+
+def repeat_of(params: dict[str, Any], finished: list[Any]) -> Any | None:
+    """The finished trial that already measured exactly `params`, if any: samplers over choice() spaces propose
+    a configuration again, and measuring it twice would only spend GPU time on noise."""
+    return next((other for other in finished if other.params == params), None)

@@ -20,9 +20,16 @@ from typing import Any
 from omegaconf import DictConfig
 
 from memfit.progress import progress_bar
-from memfit.sweep.outcome import TrialOutcome, constraint_dict, directions, objective_names, outcome_of
+from memfit.sweep.outcome import (
+    TrialOutcome,
+    constraint_dict,
+    directions,
+    is_feasible,
+    objective_names,
+    outcome_of,
+)
 from memfit.sweep.results import ladder_table, log_pareto_plot, summarise
-from memfit.sweep.space import SweepConfigError, dominated_by, parse_search
+from memfit.sweep.space import SweepConfigError, dominated_by, parse_search, repeat_of
 from memfit.sweep.trials import InProcessTrials, ProcessTrials, app_argv, pid_alive, trial_env
 
 log = logging.getLogger("memfit.sweep")
@@ -41,8 +48,6 @@ def make_sampler(name: str, seed: int | None) -> Any:
 
 
 def _best_text(study: Any, objectives: list[str]) -> str:
-    from memfit.sweep.outcome import is_feasible
-
     feasible = [t for t in study.trials if is_feasible(t)]
     if not feasible:
         return "no feasible trial yet"
@@ -243,26 +248,36 @@ class BudgetSweep:
         child.finish_if_running("FINISHED" if status == "ok" else "KILLED" if "killed" in reason else "FAILED", reason)
 
     def _told_without_running(self, study: Any, trial: Any, parent: Any) -> bool:
-        """A trial that certainly cannot fit (it dominates a measured infeasible trial) is told, not run."""
+        """A trial whose outcome is already known is told, not run: one that certainly cannot fit (it dominates a
+        measured infeasible trial), or a configuration an earlier trial measured."""
         import optuna
 
-        blocker = dominated_by(
-            trial.params, study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-        )
-        if blocker is None:
+        finished = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+        if (blocker := dominated_by(trial.params, finished)) is not None:
+            reason = f"not run: at least as large as trial {blocker.number}, which did not fit"
+            attrs, values = {"status": "predicted_infeasible", "reason": reason}, None
+            source = blocker
+        elif (source := repeat_of(trial.params, finished)) is not None:
+            reason = f"not run: the same configuration as trial {source.number}, whose measurement it repeats"
+            attrs = {**source.user_attrs, "repeat_of": source.number, "gpu_seconds": 0.0}
+            attrs.pop("run_id", None)
+            if source.user_attrs.get("reason"):
+                reason = f"{reason}; {source.user_attrs['reason']}"
+            attrs["reason"], values = reason, source.values
+        else:
             return False
-        reason = f"not run: at least as large as trial {blocker.number}, which did not fit"
-        trial.set_user_attr("status", "predicted_infeasible")
-        trial.set_user_attr("reason", reason)
-        for key, value in constraint_dict(blocker).items():
+        for key, value in attrs.items():
+            trial.set_user_attr(key, value)
+        for key, value in constraint_dict(source).items():
             trial.set_constraint(key, value)
         child = self._child_run(parent, trial)  # before tell: a finished trial takes no more attributes
-        study.tell(trial, [0.0 if d == "maximize" else 1e9 for d in directions(self.objectives)])
+        study.tell(trial, values or [0.0 if d == "maximize" else 1e9 for d in directions(self.objectives)])
         if child is not None:
-            child.set_tags({"memfit.trial_status": "predicted_infeasible"})
-            child.log_metrics({"trial/feasible": 0.0, "trial/seconds": 0.0}, step=0)
-            child.finish("FAILED", reason)
-        log.info("trial %d not run: it is at least as large as infeasible trial %d", trial.number, blocker.number)
+            feasible = is_feasible(study.trials[trial.number])
+            child.set_tags({"memfit.trial_status": attrs["status"]})
+            child.log_metrics({"trial/feasible": float(feasible), "trial/seconds": 0.0}, step=0)
+            child.finish("FINISHED" if feasible else "FAILED", reason)
+        log.info("trial %d not run: %s", trial.number, reason.removeprefix("not run: "))
         return True
 
     def _new_trials_done(self, study: Any) -> int:

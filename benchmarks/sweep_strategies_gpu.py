@@ -1,0 +1,462 @@
+"""Budget-sweep strategies compared: an exhaustive grid, TPE told an OOM as FAIL, and memfit's constrained sweep.
+
+    python benchmarks/sweep_strategies_gpu.py measure --model pegasus_large --out $OUT/table-pegasus_large.json
+    python benchmarks/sweep_strategies_gpu.py replay --tables results/sweep_table_*.json --out results/....json
+    python benchmarks/sweep_strategies_gpu.py fullpass --passes passes.json --out $OUT/fullpass.json
+
+measure (GPU). Every configuration of the space runs once through memfit's own trial code (`memfit.run.run`: length
+    audit, worst-case preflight, a timed training segment) in one process per model, without a cap, on a long-tail
+    data set (ACLSum pairs, a few with a rare long label). The model is built once and tokenization is cached per
+    length pair; the seconds both took are measured once and charged to every trial, as a fresh trial process pays
+    them. Recorded per configuration: the preflight's worst-case peak, the peak the training segment itself
+    reached (what a sweeper without a preflight sees), tokens/s after the first step, label coverage, and the
+    seconds of each phase.
+replay (CPU). The three strategies over those tables, at each budget, for many sampler seeds, n_trials each:
+    grid     every configuration, judged as memfit judges it (worst case under the budget, coverage floor);
+    tpe_fail Optuna's TPE as Hydra's Optuna sweeper drives it: no preflight, a trial whose training segment
+             exceeds the budget is an OOM told as FAIL; the coverage floor is applied the same way (FAIL);
+    memfit   memfit's own BudgetSweep loop (ask, pruning of dominated and repeated configurations, the memory and
+             coverage constraints, tell), with only the launching of a trial replaced by a look-up of what that
+             trial measured and what it would have cost under the budget (a preflight that does not fit stops the
+             trial before its training segment).
+fullpass (GPU). The configurations the strategies chose, trained for one full epoch over the same long-tail data
+    under the budget's real allocator cap (`budget.gib`), the naive choices without a preflight: do they survive?
+"""
+
+from __future__ import annotations
+
+import time
+
+PROCESS_START = time.perf_counter()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+EFFECTIVE_BATCH = 16
+SEGMENT_STEPS = 5
+COVERAGE_FLOOR = 0.99
+MARGIN_GIB = 0.5
+SPACES = {  # per model: batch sizes worth trying on an H200 at these budgets; the same lengths for both
+    "pegasus_large": {"batch": [4, 8, 16, 32], "source": [512, 1024], "label": [128, 256, 512]},
+    "qwen2_5_1_5b": {"batch": [1, 2, 4, 8], "source": [512, 1024], "label": [128, 256, 512]},
+    "tiny_seq2seq": {"batch": [2, 8], "source": [64], "label": [32, 512]},  # a CPU smoke test of this script
+}
+KEYS = ("trainer.batch_size", "memory.max_source_length", "memory.max_label_length")
+
+
+def data_overrides(path: Path) -> list[str]:
+    return [
+        "data=jsonl",
+        f"data.path={path}",
+        "data.validation_fraction=0",
+        "memory=balanced",
+        "memory.eval_enabled=false",
+        "tracking=none",
+    ]
+
+
+def config_overrides(batch: int, source: int, label: int) -> list[str]:
+    return [
+        f"trainer.batch_size={batch}",
+        f"trainer.gradient_accumulation_steps={math.ceil(EFFECTIVE_BATCH / batch)}",
+        f"memory.max_source_length={source}",
+        f"memory.max_label_length={label}",
+    ]
+
+
+def compose(overrides: list[str]):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from memfit.config import register_configs
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return hydra_compose("train", overrides=overrides)
+
+
+def make_data(work: Path) -> tuple[Path, dict]:
+    from long_tail_gpu import build_dataset
+
+    work.mkdir(parents=True, exist_ok=True)
+    path = work / "long_tail_800.jsonl"
+    # 800 pairs, 2 (0.25%) with a long label of ~260-520 WordPiece tokens against a typical ~31
+    info = build_dataset(path, samples=800, long_share=0.0025, seed=0, long_words=(200, 400))
+    return path, info
+
+
+# --- measure ------------------------------------------------------------------------------------------------------
+class Instrumented:
+    """memfit's run, with the model built once, tokenization cached, and each phase timed."""
+
+    def __init__(self) -> None:
+        import memfit.data as data
+        import memfit.models as models
+        import memfit.run as run
+
+        self.built = None
+        self.build_s = 0.0
+        self.tokenize_s: dict[str, float] = {}
+        self.phase_s: dict[str, float] = {}
+        build, tokenize, preflight, train = models.build_model, data.tokenize_split, run._run_preflight, run._train
+        cache: dict[tuple, object] = {}
+
+        def built_once(cfg, tokenizer, device):
+            if self.built is None:
+                started = time.perf_counter()
+                self.built = build(cfg, tokenizer, device)
+                self.build_s = time.perf_counter() - started
+            return self.built
+
+        def tokenize_cached(pairs, tokenizer, spec):
+            key = (len(pairs), spec.task, spec.max_source_length, spec.max_label_length, spec.overlength)
+            if key not in cache:
+                started = time.perf_counter()
+                cache[key] = tokenize(pairs, tokenizer, spec)
+                self.tokenize_s[f"{spec.max_source_length}/{spec.max_label_length}"] = time.perf_counter() - started
+            return cache[key]
+
+        def timed_preflight(cfg, ctx):
+            started = time.perf_counter()
+            try:
+                return preflight(cfg, ctx)
+            finally:
+                self.phase_s["preflight_s"] = time.perf_counter() - started
+
+        def timed_train(cfg, ctx):
+            from memfit.meter import MemoryPeak
+
+            ctx["meter"].overall = MemoryPeak(0, 0)  # the segment's own peak, as a sweeper without preflight sees it
+            started = time.perf_counter()
+            try:
+                return train(cfg, ctx)
+            finally:
+                self.phase_s["segment_s"] = time.perf_counter() - started
+
+        models.build_model, data.tokenize_split = built_once, tokenize_cached
+        run._run_preflight, run._train = timed_preflight, timed_train
+
+    def run(self, cfg) -> dict:
+        import gc
+
+        import torch
+
+        from memfit.run import run
+
+        self.phase_s = {"preflight_s": 0.0, "segment_s": 0.0}
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        started = time.perf_counter()
+        try:
+            report = run(cfg).to_dict()
+        except Exception as err:  # noqa: BLE001 - a crash is a result here
+            report = {"status": "failed", "reason": f"{type(err).__name__}: {str(err)[:300]}"}
+        return {"report": report, "run_s": time.perf_counter() - started, **self.phase_s}
+
+
+def measure(args: argparse.Namespace) -> None:
+    import torch
+
+    work = Path(args.work)
+    path, info = make_data(work)
+    space = SPACES[args.model]
+    common = [f"model={args.model}", *data_overrides(path), f"trainer.max_steps={SEGMENT_STEPS}", "budget.gib=null"]
+    common += [f"output_dir={work / 'outputs'}", f"trainer.device={args.device}"]
+    runner = Instrumented()
+    out = Path(args.out)
+    table = {
+        "model": args.model,
+        "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+        "data": {"path": path.name, **info},
+        "effective_batch": EFFECTIVE_BATCH,
+        "segment_steps": SEGMENT_STEPS,
+        "space": space,
+        "rows": [],
+    }
+    from memfit.models import build_model, build_tokenizer
+
+    first = compose([*common, *config_overrides(space["batch"][0], space["source"][0], space["label"][0])])
+    build_model(first, build_tokenizer(first.model), args.device)  # built once: what every trial process pays
+    table["startup_s"] = time.perf_counter() - PROCESS_START  # imports, CUDA init, tokenizer, model build
+    table["model_build_s"] = runner.build_s
+    configs = [(b, s, lab) for b in space["batch"] for s in space["source"] for lab in space["label"]]
+    for batch, source, label in configs:
+        cfg = compose([*common, *config_overrides(batch, source, label)])
+        row = {"batch": batch, "source": source, "label": label, **runner.run(cfg)}
+        if row["report"].get("status") == "preflight_failed":  # even the whole GPU is too small for the worst
+            # batch; what would a sweeper without preflight have seen in the training segment?
+            row["no_preflight"] = runner.run(
+                compose([*common, *config_overrides(batch, source, label), "preflight.enabled=false"])
+            )
+        report = row["report"]
+        print(
+            f"{args.model} b{batch} s{source} l{label}: {report.get('status')} worst "
+            f"{report.get('worst_case_peak_gib') or 0:.2f} GiB segment {report.get('peak_reserved_gib') or 0:.2f} GiB "
+            f"{report.get('tokens_per_s') or 0:.0f} tok/s coverage {report.get('label_coverage') or 0:.4f} "
+            f"({row['run_s']:.1f} s)",
+            flush=True,
+        )
+        table["rows"].append(row)
+        table["tokenize_s"] = runner.tokenize_s
+        out.write_text(json.dumps(table, indent=1))  # kept after every row: a cut-off run still leaves results
+
+
+# --- replay -------------------------------------------------------------------------------------------------------
+def row_view(table: dict, row: dict) -> dict:
+    """One configuration as the strategies see it: worst case, segment peak, tokens/s and what each phase cost."""
+    report = row["report"]
+    segment = row.get("no_preflight", row)
+    seg_report = segment["report"]
+    fixed = table["startup_s"] + table["tokenize_s"].get(f"{row['source']}/{row['label']}", 0.0)
+    setup_s = row["run_s"] - row["preflight_s"] - row["segment_s"]  # audit, Trainer build
+    step_s = segment["segment_s"] / SEGMENT_STEPS
+    return {
+        "key": (row["batch"], row["source"], row["label"]),
+        "report": report,
+        "worst_gib": report.get("worst_case_peak_gib") or math.inf,
+        "segment_gib": seg_report.get("peak_reserved_gib") if seg_report.get("status") == "ok" else math.inf,
+        "tokens_per_s": seg_report.get("tokens_per_s") or 0.0,
+        "coverage": report.get("label_coverage") or 0.0,
+        # memfit: a trial that does not fit stops after its preflight
+        "memfit_fit_s": fixed + row["run_s"],
+        "memfit_nofit_s": fixed + setup_s + row["preflight_s"],
+        # without a preflight: the segment, or its first step before the OOM
+        "naive_fit_s": fixed + setup_s + segment["segment_s"],
+        "naive_oom_s": fixed + setup_s + step_s,
+    }
+
+
+def fits(view: dict, budget: float) -> bool:
+    return view["worst_gib"] <= budget - MARGIN_GIB and view["coverage"] >= COVERAGE_FLOOR
+
+
+def grid(views: list[dict], budget: float) -> dict:
+    best, spent, found_at = None, 0.0, 0.0
+    for view in views:
+        spent += view["memfit_fit_s"] if view["worst_gib"] <= budget - MARGIN_GIB else view["memfit_nofit_s"]
+        if fits(view, budget) and (best is None or view["tokens_per_s"] > best["tokens_per_s"]):
+            best, found_at = view, spent
+    return {
+        "pick": best and best["key"],
+        "tokens_per_s": best and best["tokens_per_s"],
+        "gpu_s": spent,
+        "gpu_s_to_best": found_at,
+        "trials": len(views),
+    }
+
+
+def tpe_fail(views: list[dict], budget: float, seed: int, n_trials: int) -> dict:
+    import optuna
+
+    by_key = {v["key"]: v for v in views}
+    space = space_of(views)
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=seed))
+    spent, best, found_at = 0.0, None, 0.0
+    for _ in range(n_trials):
+        trial = study.ask(space)
+        view = by_key[tuple(trial.params[k] for k in KEYS)]
+        if view["segment_gib"] > budget or view["coverage"] < COVERAGE_FLOOR:  # OOM in the segment, or too short
+            spent += view["naive_oom_s"] if view["segment_gib"] > budget else view["naive_fit_s"]
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            continue
+        spent += view["naive_fit_s"]
+        study.tell(trial, view["tokens_per_s"])
+        if best is None or view["tokens_per_s"] > best["tokens_per_s"]:
+            best, found_at = view, spent
+    return {
+        "pick": best and best["key"],
+        "tokens_per_s": best and best["tokens_per_s"],
+        "gpu_s": spent,
+        "gpu_s_to_best": found_at,
+        "pick_fits_worst_case": bool(best) and fits(best, budget),
+    }
+
+
+def space_of(views: list[dict]) -> dict:
+    import optuna
+
+    return {
+        k: optuna.distributions.CategoricalDistribution(sorted({v["key"][i] for v in views}))
+        for i, k in enumerate(KEYS)
+    }
+
+
+class TableTrials:
+    """Stands in for ProcessTrials: a trial returns what that configuration measured, and what it cost, under the
+    budget (the preflight's limit; a worst case over it stops the trial before training)."""
+
+    def __init__(self, views: list[dict], budget: float) -> None:
+        self.by_key = {v["key"]: v for v in views}
+        self.budget = budget
+
+    def launch(self, batch: list[list[str]], first_job: int, on_wait=None) -> list:
+        from memfit.sweep.trials import TrialResult
+
+        results = []
+        for overrides in batch:
+            values = dict(o.split("=", 1) for o in overrides if "=" in o)
+            view = self.by_key[tuple(int(values[k]) for k in KEYS)]
+            report = dict(view["report"], limit_gib=self.budget - MARGIN_GIB, tokens_per_s=view["tokens_per_s"])
+            if view["worst_gib"] > self.budget - MARGIN_GIB:
+                report["status"] = "preflight_failed"
+                results.append(TrialResult(report, "preflight: the worst batch does not fit", view["memfit_nofit_s"]))
+            else:
+                results.append(TrialResult(report, None, view["memfit_fit_s"]))
+        return results
+
+
+def memfit_sweep(views: list[dict], budget: float, seed: int, n_trials: int, model: str) -> dict:
+    import optuna
+    from omegaconf import OmegaConf
+
+    from memfit.sweep import BudgetSweep
+
+    class ReplaySweep(BudgetSweep):
+        def _study(self):  # in memory: thousands of replayed trials need no sqlite file
+            return optuna.create_study(sampler=optuna.samplers.TPESampler(seed=seed), direction="maximize")
+
+    sweep = ReplaySweep(
+        n_trials=n_trials,
+        n_jobs=1,
+        objective="throughput",
+        coverage_floor=COVERAGE_FLOOR,
+        effective_batch=EFFECTIVE_BATCH,
+        budgets=None,
+        seed=seed,
+    )
+    sweep.config = OmegaConf.create({"budget": {"margin_gib": MARGIN_GIB}, "tracking": {"backend": "none"}})
+    sweep.objectives, sweep.budget_gib, sweep.trials = ["throughput"], budget, TableTrials(views, budget)
+    study = sweep._study()
+    sweep._run_trials(study, space_of(views), [], None, lambda **_: None)
+    spent, best, found_at = 0.0, None, 0.0
+    for trial in study.trials:
+        spent += trial.user_attrs.get("gpu_seconds", 0.0)
+        feasible = trial.state == optuna.trial.TrialState.COMPLETE and all(c <= 0 for c in trial.constraints.values())
+        if feasible and (best is None or trial.values[0] > best.values[0]):
+            best, found_at = trial, spent
+    key = best and tuple(best.params[k] for k in KEYS)
+    return {
+        "pick": key,
+        "tokens_per_s": best and best.values[0],
+        "gpu_s": spent,
+        "gpu_s_to_best": found_at,
+        "not_run": sum(
+            1
+            for t in study.trials
+            if "repeat_of" in t.user_attrs or t.user_attrs.get("status") == "predicted_infeasible"
+        ),
+    }
+
+
+def replay(args: argparse.Namespace) -> None:
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    results = {"n_trials": args.n_trials, "seeds": args.seeds, "budgets": args.budgets, "models": {}}
+    for path in args.tables:
+        table = json.loads(Path(path).read_text())
+        views = [row_view(table, row) for row in table["rows"]]
+        per_budget = {}
+        for budget in args.budgets:
+            exhaustive = grid(views, budget)
+            runs = {"tpe_fail": [], "memfit": []}
+            for seed in range(args.seeds):
+                runs["tpe_fail"].append(tpe_fail(views, budget, seed, args.n_trials))
+                runs["memfit"].append(memfit_sweep(views, budget, seed, args.n_trials, table["model"]))
+            per_budget[str(budget)] = {"grid": exhaustive, **{k: summarise(v, exhaustive) for k, v in runs.items()}}
+            print(json.dumps({table["model"]: {budget: per_budget[str(budget)]}}, default=str)[:2000], flush=True)
+        results["models"][table["model"]] = per_budget
+    Path(args.out).write_text(json.dumps(results, indent=1, default=list))
+
+
+def summarise(runs: list[dict], exhaustive: dict) -> dict:
+    target = (exhaustive["tokens_per_s"] or 0) * 0.97
+    found = [r for r in runs if r["tokens_per_s"] and r["tokens_per_s"] >= target]
+    picks: dict[str, int] = {}
+    for r in runs:
+        picks[str(r["pick"])] = picks.get(str(r["pick"]), 0) + 1
+    return {
+        "within_3pct_of_grid": f"{len(found)}/{len(runs)}",
+        "median_best_tokens_per_s": statistics.median(r["tokens_per_s"] or 0 for r in runs),
+        "median_gpu_s": statistics.median(r["gpu_s"] for r in runs),
+        "median_gpu_s_to_best": statistics.median(r["gpu_s_to_best"] for r in runs),
+        "median_share_of_grid_gpu_s": statistics.median(r["gpu_s"] for r in runs) / exhaustive["gpu_s"],
+        "picks": picks,
+        "picks_that_fit_worst_case": sum(1 for r in runs if r.get("pick_fits_worst_case", True) and r["pick"]),
+        "runs": runs,
+    }
+
+
+# --- full pass ----------------------------------------------------------------------------------------------------
+def fullpass(args: argparse.Namespace) -> None:
+    import subprocess
+
+    work = Path(args.work)
+    path, _ = make_data(work)
+    passes = json.loads(Path(args.passes).read_text())
+    results = []
+    for item in passes:
+        run_dir = work / f"full-{item['model']}-{item['budget']}-{'-'.join(map(str, item['config']))}-{item['who']}"
+        batch, source, label = item["config"]
+        overrides = [
+            f"model={item['model']}",
+            *data_overrides(path),
+            *config_overrides(batch, source, label),
+            f"budget.gib={item['budget']}",
+            "trainer.max_steps=-1",
+            "trainer.num_train_epochs=1",
+            f"preflight.enabled={str(item['who'] == 'memfit').lower()}",
+            f"output_dir={work / 'outputs'}",
+            f"hydra.run.dir={run_dir}",
+        ]
+        started = time.perf_counter()
+        done = subprocess.run([sys.executable, "train.py", *overrides], cwd=ROOT, capture_output=True, text=True)
+        report_path = run_dir / "report.json"
+        report = json.loads(report_path.read_text()) if report_path.exists() else {"stderr": done.stderr[-1500:]}
+        row = {**item, "exit_code": done.returncode, "wall_s": time.perf_counter() - started, "report": report}
+        print(
+            json.dumps({k: row[k] for k in ("model", "budget", "config", "who", "exit_code")}),
+            report.get("status"),
+            report.get("steps"),
+            report.get("peak_reserved_gib"),
+            report.get("reason"),
+            flush=True,
+        )
+        results.append(row)
+        Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    m = sub.add_parser("measure")
+    m.add_argument("--model", choices=sorted(SPACES), required=True)
+    m.add_argument("--out", required=True)
+    m.add_argument("--work", default="/tmp/memfit-strategies")
+    m.add_argument("--device", default="cuda", help="cpu: smoke-test this script with --model tiny_seq2seq")
+    r = sub.add_parser("replay")
+    r.add_argument("--tables", nargs="+", required=True)
+    r.add_argument("--budgets", nargs="+", type=float, default=[16, 24, 40])
+    r.add_argument("--seeds", type=int, default=20)
+    r.add_argument("--n-trials", type=int, default=12)
+    r.add_argument("--out", required=True)
+    f = sub.add_parser("fullpass")
+    f.add_argument("--passes", required=True, help="JSON list of {model, budget, config: [b, s, l], who}")
+    f.add_argument("--out", required=True)
+    f.add_argument("--work", default="/tmp/memfit-strategies")
+    args = parser.parse_args()
+    {"measure": measure, "replay": replay, "fullpass": fullpass}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()
