@@ -125,7 +125,7 @@ def test_the_runs_table_shows_every_trial_with_loss_and_peak_and_the_pareto_plot
     parent = next(r for r in runs if "memfit.sweep" in r.data.tags)
     trials = {r.info.run_id: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
     trained = {run_id for run_id, r in trials.items() if "summary/final_loss" in r.data.metrics}
-    assert len(trials) == 6 and trained and len(trained) < len(trials)  # some trials did not fit: no loss
+    assert len(trials) >= 6 and trained and len(trained) < len(trials)  # some trials did not fit: no loss
 
     port = free_port()
     command = ["mlflow", "server", "--backend-store-uri", store, "--host", "127.0.0.1", "--port", str(port)]

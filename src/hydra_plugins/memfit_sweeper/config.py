@@ -9,7 +9,7 @@ from hydra.core.config_store import ConfigStore
 @dataclass
 class MemfitSweeperConf:
     _target_: str = "hydra_plugins.memfit_sweeper.memfit_sweeper.MemfitSweeper"
-    n_trials: int = 8  # trials run (or told without running) per study, counting earlier runs of it (resume)
+    n_trials: int = 8  # trials run per study, counting earlier runs of it (resume); told ones do not count
     n_jobs: int = 1  # trials launched together per batch
     storage: str | None = None  # SQLAlchemy URL; null: sqlite:///<output_dir>/optuna.db
     study_name: str | None = None  # null: memfit-<model>-<data>-<budget>
