@@ -80,6 +80,7 @@ class BudgetSweep:
         self.studies: list[Any] = []  # finished studies of this command (a ladder's smaller budgets)
         self.ladder_run: Any = None
         self.screen: Any = None  # label coverage per max_label_length, from the data alone (sweep.screen)
+        self.screened = False  # the screen is built once per command, even where it does not apply (None)
         self.space: dict[str, Any] = {}
 
     def setup(self, *, hydra_context: Any, task_function: Any, config: DictConfig) -> None:
@@ -261,8 +262,9 @@ class BudgetSweep:
     def _screen_coverage(self) -> None:
         """Label coverage per label length, once per command, from the data alone (after the storage opened, so
         that a bad storage URL is reported first)."""
-        if self.screen is not None:
+        if self.screened:
             return
+        self.screened = True
         self.screen = coverage_screen(self.space, self.config, self.settings.coverage_floor)
         if self.screen is not None and LABEL not in self.space and (coverage := self.screen.below_floor({})):
             raise SweepConfigError(
@@ -282,22 +284,19 @@ class BudgetSweep:
             reason = f"not run: the same configuration as trial {source.number}, whose measurement it repeats"
             if source.user_attrs.get("reason"):
                 reason = f"{reason}; {source.user_attrs['reason']}"
-            attrs = {**source.user_attrs, "repeat_of": source.number, "gpu_seconds": 0.0, "reason": reason}
-            attrs["not_run"] = True
+            attrs = {**source.user_attrs, "repeat_of": source.number, "reason": reason}
             attrs.pop("run_id", None)
             return attrs, source.values, constraint_dict(source)
         if (blocker := dominated_by(params, finished)) is not None:
             reason = f"not run: at least as large as trial {blocker.number}, which did not fit"
-            attrs = {"status": "predicted_infeasible", "reason": reason, "not_run": True, "gpu_seconds": 0.0}
-            return attrs, None, constraint_dict(blocker)
+            return {"status": "predicted_infeasible", "reason": reason}, None, constraint_dict(blocker)
         if self.screen is not None and (coverage := self.screen.below_floor(params)) is not None:
             floor = self.settings.coverage_floor
             reason = (
                 f"not run: max_label_length={params.get(LABEL, self.screen.fixed_label)} keeps {coverage:.2%} of label"
                 f" tokens, below coverage_floor={floor:g} (length audit of the data)"
             )
-            attrs = {"status": "below_coverage_floor", "reason": reason, "label_coverage": coverage, "not_run": True}
-            attrs["gpu_seconds"] = 0.0
+            attrs = {"status": "below_coverage_floor", "reason": reason, "label_coverage": coverage}
             return attrs, None, {"memory_gib": 0.0, "coverage": floor - coverage}  # memory: not measured
         return None
 
@@ -307,6 +306,7 @@ class BudgetSweep:
         if known is None:
             return False
         attrs, values, constraints = known
+        attrs = {**attrs, "not_run": True, "gpu_seconds": 0.0}  # bookkeeping: not part of n_trials
         for key, value in attrs.items():
             trial.set_user_attr(key, value)
         for key, value in constraints.items():
