@@ -106,3 +106,26 @@ def test_memory_optimizer_adamw_8bit_trains_with_bitsandbytes(compose_cfg):
     assert report.status == "ok", report.reason
     tags = MlflowClient(default_tracking_uri(cfg.output_dir)).get_run(report.run_id).data.tags
     assert tags["memfit.optimizer"].startswith("bitsandbytes.optim"), tags["memfit.optimizer"]
+
+
+def test_the_readme_estimate_on_the_gpu_and_the_preflight_agree(tmp_path):
+    """The README's GPU estimate command, then the preflight of the same run: what the memory model predicted
+    for the worst batch is what the preflight measures, within the benchmark's 8%."""
+    import json
+    import re
+
+    from .conftest import readme_command, run_train_py
+
+    extra = [f"model.tokenizer={os.environ['MEMFIT_TOKENIZER']}"] if os.environ.get("MEMFIT_TOKENIZER") else []
+    command = readme_command("python train.py model=pegasus_large budget.gib=24 estimate_only=true")
+    shown = run_train_py(*command[2:], *extra, f"output_dir={tmp_path}", "tracking=none")
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    assert "estimate (memory model" in shown.stdout and "fitted from 4 probes" in shown.stdout
+    largest = int(re.search(r"largest batch predicted to fit at .*: (\d+)", shown.stdout).group(1))
+    assert largest >= 1
+    checked = run_train_py(*command[2:-1], *extra, f"output_dir={tmp_path}", "tracking=none", "preflight_only=true")
+    assert checked.returncode == 0, checked.stderr[-3000:]
+    reports = [json.loads(path.read_text()) for path in tmp_path.glob("runs/*/*/report.json")]
+    report = next(r for r in reports if r["worst_case_peak_gib"] is not None)
+    assert report["calibration"]  # reused from the estimate's cache
+    assert abs(report["predicted_peak_gib"] / report["worst_case_peak_gib"] - 1) < 0.08, report

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
@@ -135,3 +137,40 @@ def test_generation_is_probed_when_evaluation_generates(compose_cfg):
 def test_a_run_that_evaluates_by_generation(compose_cfg):
     report = run(compose_cfg("model=tiny_seq2seq", *FAST, "trainer.predict_with_generate=true"))
     assert report.status == "ok" and report.worst_case_peak_gib > 0
+
+
+def test_ways_out_are_judged_by_the_memory_model_when_there_is_one():
+    import numpy as np
+
+    from memfit.audit import BatchShape
+    from memfit.meter import GIB, MemoryPeak
+    from memfit.preflight import Probe, suggest
+
+    def predict(shape: BatchShape) -> float:  # a calibrated model: 4 GiB + 1 MiB per label token + 0.1 per source
+        return 4 * GIB + shape.batch * (shape.label * 2**20 + shape.source * 0.1 * 2**20)
+
+    worst = BatchShape(8, 512, 512)
+    measured = Probe(worst, "train", MemoryPeak(int(predict(worst)), int(predict(worst))), static_bytes=3 * GIB)
+    limit = 6 * GIB
+    memory = SimpleNamespace(gradient_checkpointing=True, optimizer="adafactor")
+    ways = suggest(
+        [measured],
+        limit,
+        batch=8,
+        accumulation=1,
+        task="seq2seq",
+        label_raw=np.arange(1, 600),
+        max_label=512,
+        memory=memory,
+        source_raw=np.arange(1, 600),
+        max_source=512,
+        trainable_params=10**6,
+        lora_enabled=False,
+        predict=predict,
+    )
+    batch_way = next(w for w in ways if w.startswith("trainer.batch_size="))
+    fitting = max(b for b in range(1, 8) if predict(BatchShape(b, 512, 512)) <= limit)
+    assert batch_way.startswith(f"trainer.batch_size={fitting} ") and "memory model" in batch_way
+    label_way = next(w for w in ways if w.startswith("memory.max_label_length="))
+    shorter = int(label_way.split("=")[1].split()[0])
+    assert predict(BatchShape(8, 512, shorter)) <= limit < predict(BatchShape(8, 512, shorter + 8))

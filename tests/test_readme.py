@@ -57,6 +57,15 @@ def test_preflight_only_example(tmp_path):
     assert run.data.tags["memfit.mode"] == "preflight_only" and "train/loss" not in run.data.metrics
 
 
+def test_estimate_only_example(tmp_path):
+    command = readme_command("python train.py model=tiny_seq2seq estimate_only=true")
+    shown = run_train(command, tmp_path).stdout
+    assert "estimate (memory model" in shown and "fitted from 4 probes" in shown
+    assert re.search(r"largest batch predicted to fit at source \d+ × labels \d+: \d+", shown)
+    assert len(list(tmp_path.glob("calibration/*.json"))) == 1
+    assert finished_runs(tmp_path)[0].data.tags["memfit.mode"] == "estimate_only"
+
+
 def test_compare_policies_then_open_the_mlflow_ui(tmp_path):
     run_train(readme_command("python train.py -m memory=off,balanced,tight"), tmp_path)
     runs = finished_runs(tmp_path)

@@ -196,16 +196,16 @@ def test_a_label_length_below_the_coverage_floor_is_told_from_the_data_not_run(c
     from memfit.data import load_and_tokenize
     from memfit.models import build_tokenizer
     from memfit.sweep import BudgetSweep
-    from memfit.sweep.screen import coverage_screen
+    from memfit.sweep.screen import coverage_screen, data_lengths
 
     cfg = compose_cfg("model=tiny_seq2seq", "data.max_train_samples=48")
     space = {"memory.max_label_length": optuna.distributions.CategoricalDistribution([8, 512])}
-    screen = coverage_screen(space, cfg, floor=0.99)
+    screen = coverage_screen(data_lengths(space, cfg), space, cfg, floor=0.99)
     short = compose_cfg("model=tiny_seq2seq", "data.max_train_samples=48", "memory.max_label_length=8")
     audited = load_and_tokenize(short, build_tokenizer(short.model)).audit.label_coverage
     assert screen.below_floor({"memory.max_label_length": 8}) == pytest.approx(audited) and audited < 0.99
     assert screen.below_floor({"memory.max_label_length": 512}) is None
-    assert coverage_screen({"data.max_train_samples": space["memory.max_label_length"]}, cfg, 0.99) is None
+    assert data_lengths({"data.max_train_samples": space["memory.max_label_length"]}, cfg) is None
 
     sweep = BudgetSweep(coverage_floor=0.99)
     sweep.objectives, sweep.screen = ["throughput"], screen

@@ -26,6 +26,7 @@ WEIGHT_DTYPES = ("fp32", "bf16")
 OPTIMIZERS = ("adamw", "adamw_8bit", "adafactor")
 DEVICES = ("auto", "cpu", "cuda")
 TRACKING_BACKENDS = ("mlflow", "none")
+CALIBRATION_SETTINGS = ("auto", "true", "false")
 
 
 @dataclass
@@ -138,6 +139,13 @@ class PreflightConfig:
 
 
 @dataclass
+class CalibrationConfig:
+    enabled: str = "auto"  # auto (CUDA only) | true (also on CPU, host RSS) | false
+    probe_tokens: int = 4096
+    cache_dir: str = "${output_dir}/calibration"
+
+
+@dataclass
 class ForensicsConfig:
     memory_history: bool = False
     max_entries: int = 100_000
@@ -153,7 +161,9 @@ class TrainConfig:
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     preflight: PreflightConfig = field(default_factory=PreflightConfig)
     forensics: ForensicsConfig = field(default_factory=ForensicsConfig)
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     preflight_only: bool = False
+    estimate_only: bool = False
     output_dir: str = "outputs"
     min_free_disk_gib: float = 0.5
 
@@ -278,6 +288,14 @@ def _validate_preflight(cfg: DictConfig, problems: list[str]) -> None:
     if cfg.preflight_only and not cfg.preflight.enabled:
         problems.append("preflight_only=true with preflight.enabled=false has nothing to do: enable the preflight")
     _positive(problems, "forensics.max_entries", cfg.forensics.max_entries, "use e.g. 100000")
+    if str(cfg.calibration.enabled).lower() not in CALIBRATION_SETTINGS:
+        problems.append(
+            f"calibration.enabled={cfg.calibration.enabled} is not one of {', '.join(CALIBRATION_SETTINGS)}: "
+            "use auto (calibrate on CUDA only)"
+        )
+    _positive(problems, "calibration.probe_tokens", cfg.calibration.probe_tokens, "use e.g. 4096")
+    if cfg.estimate_only and cfg.preflight_only:
+        problems.append("estimate_only=true and preflight_only=true: pick one (estimate predicts, preflight measures)")
 
 
 def _validate_tracking(cfg: DictConfig, problems: list[str]) -> None:

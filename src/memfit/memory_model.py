@@ -8,12 +8,16 @@ from probes on the device (issue 5); they are not estimated here.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
-# Optimizer state per trainable parameter, by memory.optimizer. adamw_8bit (bitsandbytes, GPU only) is not modelled
-# yet: its block-wise quantization state has not been checked against a real step here.
-MODELLED_OPTIMIZERS = ("adamw", "adafactor")
+# Optimizer state per trainable parameter, by memory.optimizer.
+MODELLED_OPTIMIZERS = ("adamw", "adafactor", "adamw_8bit")
+# bitsandbytes' 8-bit optimizers (0.4x-0.50): parameters below MIN_8BIT_SIZE elements keep float32 state; larger ones
+# keep uint8 state with a float32 absmax per block, and every 8-bit state shares two 256-entry float32 code maps.
+# Trainer registers every nn.Embedding weight for 32-bit state (transformers' create_optimizer), so those keep float32.
+MIN_8BIT_SIZE, BLOCK_8BIT, QMAPS_8BIT = 4096, 256, 2 * 256 * 4
 
 
 @dataclass(frozen=True)
@@ -59,13 +63,220 @@ def _adafactor_state(param: Any) -> int:
     return _bytes(param) + 4
 
 
+def _adamw_8bit_state(param: Any, thirty_two_bit: bool = False) -> int:
+    # two moments (bitsandbytes AdamW, optim_bits=8, as Trainer's adamw_bnb_8bit builds it); the step is a Python int
+    count = param.numel()
+    if thirty_two_bit or count < MIN_8BIT_SIZE:
+        return 2 * 4 * count
+    return 2 * (count + 4 * math.ceil(count / BLOCK_8BIT))
+
+
+def _embedding_weights(model: Any) -> set[int]:
+    import torch
+
+    return {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+
+
 def optimizer_state_bytes(model: Any, optimizer: str) -> int:
-    """State the optimizer keeps once it has stepped: memory.optimizer adamw or adafactor."""
-    per_param = {"adamw": _adamw_state, "adafactor": _adafactor_state}.get(optimizer)
-    if per_param is None:
-        raise ValueError(f"memory.optimizer={optimizer} is not modelled yet: modelled are {MODELLED_OPTIMIZERS}")
-    return sum(per_param(p) for p in model.parameters() if p.requires_grad)
+    """State the optimizer keeps once it has stepped: memory.optimizer adamw, adafactor or adamw_8bit."""
+    if optimizer not in MODELLED_OPTIMIZERS:
+        raise ValueError(f"memory.optimizer={optimizer} is not modelled: modelled are {MODELLED_OPTIMIZERS}")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if optimizer == "adamw":
+        return sum(_adamw_state(p) for p in trainable)
+    if optimizer == "adafactor":
+        return sum(_adafactor_state(p) for p in trainable)
+    embeddings = _embedding_weights(model)
+    eight_bit = [p for p in trainable if id(p) not in embeddings and p.numel() >= MIN_8BIT_SIZE]
+    return sum(_adamw_8bit_state(p, id(p) in embeddings) for p in trainable) + (QMAPS_8BIT if eight_bit else 0)
 
 
 def model_state_bytes(model: Any, optimizer: str) -> ModelStateBytes:
     return ModelStateBytes(weight_bytes(model), gradient_bytes(model), optimizer_state_bytes(model, optimizer))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The per-token part: activations and logits, fitted from a few probes on the device (memfit.calibration runs them)
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What the per-token terms need to know of a model: its task, depth, heads, vocabulary and attention kind."""
+
+    task: str  # seq2seq | causal
+    vocab_size: int
+    encoder_layers: int  # 0 for causal models
+    decoder_layers: int
+    heads: int
+    # attention keeps b·heads·q·k scores: eager attention, or a learned position bias added to them (T5). With
+    # memory-efficient kernels (SDPA, flash) attention memory is linear in tokens and this term is left out.
+    quadratic_attention: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def _first(config: Any, *names: str, default: int = 0) -> int:
+    for name in names:
+        value = getattr(config, name, None)
+        if value:
+            return int(value)
+    return default
+
+
+def describe_architecture(model: Any, task: str) -> Architecture:
+    """The Architecture of a built model (a peft model is read through its base model)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = base.config
+    if getattr(config, "encoder", None) is not None and getattr(config, "decoder", None) is not None:
+        encoder, decoder = config.encoder, config.decoder  # EncoderDecoderModel (bert2bert)
+    else:
+        encoder = decoder = config
+    attention = getattr(encoder, "_attn_implementation", None) or "eager"
+    position_bias = getattr(config, "relative_attention_num_buckets", None) is not None
+    if task == "causal":
+        encoder_layers = 0
+        decoder_layers = _first(config, "num_hidden_layers", "num_layers", "n_layer")
+    else:
+        encoder_layers = _first(encoder, "encoder_layers", "num_layers", "num_hidden_layers")
+        decoder_layers = _first(decoder, "decoder_layers", "num_decoder_layers", "num_layers", "num_hidden_layers")
+    return Architecture(
+        task=task,
+        vocab_size=_first(decoder, "vocab_size"),
+        encoder_layers=encoder_layers,
+        decoder_layers=decoder_layers,
+        heads=_first(decoder, "decoder_attention_heads", "num_heads", "num_attention_heads", "n_head", default=1),
+        quadratic_attention=attention == "eager" or position_bias,
+    )
+
+
+def shape_terms(batch: int, source: int, label: int, arch: Architecture) -> dict[str, float]:
+    """The regressors of one padded batch: a constant, tokens per stack, and attention scores where they are kept
+    (one term per kind of attention: their bytes per score differ, e.g. T5's bias gradients).
+
+    Causal models see one sequence (`source` positions, labels are the same positions)."""
+    terms = {"constant": 1.0}
+    heads = arch.heads * batch
+    if arch.task == "causal":
+        terms["tokens"] = float(batch * source)
+        if arch.quadratic_attention:
+            terms["attention_scores"] = float(heads * arch.decoder_layers * source * source)
+        return terms
+    terms["encoder_tokens"] = float(batch * source)
+    terms["decoder_tokens"] = float(batch * label)
+    if arch.quadratic_attention:
+        terms["encoder_attention"] = float(heads * arch.encoder_layers * source * source)
+        terms["decoder_attention"] = float(heads * arch.decoder_layers * label * label)
+        terms["cross_attention"] = float(heads * arch.decoder_layers * source * label)
+    return terms
+
+
+def logits_bytes(batch: int, source: int, label: int, arch: Architecture) -> int:
+    """One float32 copy of the vocabulary logits, which the loss takes (the least the logits hold at the peak)."""
+    positions = source if arch.task == "causal" else label
+    return 4 * batch * positions * arch.vocab_size
+
+
+@dataclass(frozen=True)
+class LinearFit:
+    """Peak bytes as a linear function of shape_terms, fitted by least squares."""
+
+    coefficients: dict[str, float]
+
+    def predict(self, terms: dict[str, float]) -> float:
+        return sum(self.coefficients.get(name, 0.0) * value for name, value in terms.items())
+
+    def per_row(self, source: int, label: int, arch: Architecture) -> float:
+        """Bytes each batch row adds (every term but the constant grows with the batch)."""
+        terms = shape_terms(1, source, label, arch)
+        return self.predict(terms) - self.coefficients.get("constant", 0.0)
+
+
+def fit_terms(rows: list[dict[str, float]], peaks: list[float]) -> LinearFit:
+    """Least squares of measured peaks on their shapes' terms. Needs at least as many probes as terms, and probes
+    that vary the terms independently (memfit.calibration chooses such shapes)."""
+    import numpy as np
+
+    names = list(rows[0])
+    if len(rows) < len(names):
+        raise ValueError(f"fitting {len(names)} terms ({', '.join(names)}) needs as many probes, got {len(rows)}")
+    design = np.array([[row[name] for name in names] for row in rows], dtype=np.float64)
+    scale = np.abs(design).max(axis=0)  # columns span 1 to ~1e9: scale them so the solve is well conditioned
+    if np.linalg.matrix_rank(design / scale) < len(names):
+        raise ValueError(f"the probes do not vary the terms {', '.join(names)} independently")
+    solution, *_ = np.linalg.lstsq(design / scale, np.asarray(peaks, dtype=np.float64), rcond=None)
+    return LinearFit({name: float(value / s) for name, value, s in zip(names, solution, scale, strict=True)})
+
+
+@dataclass(frozen=True)
+class PeakEstimate:
+    """A predicted peak and what it is made of. weights/gradients/optimizer are the analytic counts; logits is the
+    float32 logits copy; activations is the fitted per-token rest; `other` is the fitted constant beyond the model
+    state (kernel workspaces, allocator rounding; negative where not every gradient exists at the peak). `phase`
+    says where the peak falls: in forward + backward, or in the optimizer step."""
+
+    allocated: int
+    reserved: int
+    weights: int
+    gradients: int
+    optimizer: int
+    logits: int
+    activations: int
+    other: int
+    phase: str = "backward"
+
+    def breakdown(self) -> dict[str, int]:
+        return {
+            "weights": self.weights,
+            "gradients": self.gradients,
+            "optimizer": self.optimizer,
+            "activations": self.activations,
+            "logits": self.logits,
+            "other": self.other,
+        }
+
+
+@dataclass(frozen=True)
+class FittedPeak:
+    """Peak memory of a training step as calibrated: the forward + backward peak is linear in shape_terms; the
+    optimizer step's peak does not depend on the batch and is the floor (with checkpointing or small batches it
+    can be the higher one); reserved memory is the allocated peak times the caching allocator's overhead."""
+
+    backward: LinearFit
+    step_allocated: int
+    reserved_ratio: float
+
+    def allocated(self, terms: dict[str, float]) -> float:
+        return max(self.backward.predict(terms), self.step_allocated)
+
+
+def estimate_peak(
+    batch: int, source: int, label: int, arch: Architecture, state: ModelStateBytes, fit: FittedPeak
+) -> PeakEstimate:
+    terms = shape_terms(batch, source, label, arch)
+    backward = fit.backward.predict(terms)
+    allocated = fit.allocated(terms)
+    constant = fit.backward.coefficients.get("constant", 0.0)
+    logits = logits_bytes(batch, source, label, arch)
+    return PeakEstimate(
+        allocated=round(allocated),
+        reserved=round(allocated * fit.reserved_ratio),
+        weights=state.weights,
+        gradients=state.gradients,
+        optimizer=state.optimizer,
+        logits=logits,
+        activations=round(backward - constant - logits),
+        other=round(constant - state.total),
+        phase="backward" if backward >= fit.step_allocated else "optimizer step",
+    )
+
+
+def largest_batch(fit: FittedPeak, source: int, label: int, arch: Architecture, limit: int, upper: int) -> int:
+    """The largest batch whose predicted peak *reserved* (what the preflight judges) is within `limit` at these
+    lengths (0: not even one row), at most `upper`."""
+    allowed = limit / fit.reserved_ratio  # in allocated bytes
+    per_row = fit.backward.per_row(source, label, arch)
+    room = allowed - fit.backward.coefficients.get("constant", 0.0)
+    if fit.step_allocated > allowed or room < per_row:
+        return 0
+    return upper if per_row <= 0 else min(upper, int(room // per_row))

@@ -13,7 +13,7 @@ import math
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -32,6 +32,10 @@ class Probe:
     static_bytes: int = 0  # allocated after the steps: weights + optimizer state
     attempted_bytes: int | None = None  # on OOM: what was in use plus what it tried to allocate
     seconds: float = 0.0
+    # training probes: the peak of forward + backward and the peak of the optimizer's step, apart (the memory model
+    # fits the first over shapes; the second does not depend on the shape)
+    backward_peak: MemoryPeak | None = None
+    step_peak: MemoryPeak | None = None
 
     @property
     def oom(self) -> bool:
@@ -217,18 +221,23 @@ def probe(setup: ProbeSetup, shape: BatchShape, eval_shape: BatchShape | None = 
         batch = make_batch(shape, setup.collator, setup.task, setup.vocab_size, setup.device)
         setup.model.train()
         optimizer = setup.make_optimizer()
-        setup.meter.reset_window()
+        backward = step = MemoryPeak(0, 0)
         start = time.perf_counter()
         for _ in range(setup.steps):
+            setup.meter.reset_window()
             for _ in range(min(setup.accumulation, 2)):  # the second micro-batch runs on top of held grads
                 with _autocast(setup.device, setup.precision):
                     loss = setup.model(**batch).loss
                 loss.backward()
                 del loss
+            backward = backward.max(setup.meter.window_peak())
+            setup.meter.reset_window()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            step = step.max(setup.meter.window_peak())
         static = setup.meter.current_bytes()  # weights + optimizer state (on CPU: the whole process)
-        results.append(Probe(shape, "train", setup.meter.window_peak(), static, seconds=time.perf_counter() - start))
+        elapsed = time.perf_counter() - start
+        results.append(Probe(shape, "train", backward.max(step), static, None, elapsed, backward, step))
         del batch
         if eval_shape is not None:
             phase, current = "eval", eval_shape
@@ -304,6 +313,12 @@ def find_max_batch(
     return good or None
 
 
+def _shortened(shape: BatchShape, name: str, length: int, task: str) -> BatchShape:
+    if task == "causal":  # one sequence: shortening either part shortens it
+        return BatchShape(shape.batch, length, length)
+    return replace(shape, **{name: length})
+
+
 def suggest(
     report_probes: list[Probe],
     limit: int,
@@ -318,29 +333,32 @@ def suggest(
     max_source: int = 0,
     trainable_params: int,
     lora_enabled: bool,
+    predict: Callable[[BatchShape], float] | None = None,
 ) -> list[str]:
-    """Concrete ways out, ranked by expected saving. Estimates: activation memory is taken as proportional to the
-    batch's tokens, on top of the static part (weights + optimizer state) the probe measured."""
+    """Concrete ways out, ranked by expected saving. With `predict` (the calibrated memory model: a shape's peak
+    reserved bytes) smaller batches and lengths are judged by it; without, activation memory is taken as
+    proportional to the batch's tokens, on top of the static part (weights + optimizer state) the probe measured."""
     worst = max(report_probes, key=lambda p: p.judged_bytes)
     peak = worst.judged_bytes
     static = worst.static_bytes or 0
     activations = max(peak - static, 1)
     need = peak - limit
+    shape = worst.shape
+    source = "memory model" if predict else "scaled from the measured peak"
     ranked: list[tuple[float, str]] = []
     effective = batch * accumulation
     for smaller in range(batch - 1, 0, -1):
-        expected = static + activations * smaller / batch
+        expected = predict(replace(shape, batch=smaller)) if predict else static + activations * smaller / batch
         if expected <= limit or smaller == 1:
             ranked.append(
                 (
                     peak - expected,
                     f"trainer.batch_size={smaller} trainer.gradient_accumulation_steps="
                     f"{math.ceil(effective / smaller)} (same effective batch {effective}; expected peak "
-                    f"~{expected / GIB:.1f} GiB)",
+                    f"~{expected / GIB:.1f} GiB, {source})",
                 )
             )
             break
-    shape = worst.shape
     per_token = activations / (shape.source + shape.label)
     lengths = [("label", "memory.max_label_length", shape.label, label_raw, max_label)]
     if task == "seq2seq":
@@ -348,11 +366,18 @@ def suggest(
     for name, knob, current, raw, configured in lengths:
         if current <= 16:
             continue
-        shorter = max(8, current - math.ceil(need / per_token) if need > 0 else current // 2)
+        if predict:
+            shorter = next(
+                (n for n in range(current - 8, 7, -8) if predict(_shortened(shape, name, n, task)) <= limit), 8
+            )
+            saving = peak - predict(_shortened(shape, name, shorter, task))
+        else:
+            shorter = max(8, current - math.ceil(need / per_token) if need > 0 else current // 2)
+            saving = per_token * (current - shorter)
         if shorter < current:
             ranked.append(
                 (
-                    per_token * (current - shorter),
+                    saving,
                     f"{knob}={shorter} (keeps {label_coverage(raw, shorter):.1%} of {name} tokens; "
                     f"{configured} keeps {label_coverage(raw, configured):.1%})",
                 )

@@ -43,6 +43,8 @@ class RunReport:
     steps: int = 0
     run_id: str | None = None
     meter: str | None = None
+    predicted_peak_gib: float | None = None  # the memory model's prediction (reserved) for the worst batch
+    calibration: str | None = None  # the memory model's calibration file, for the sweeper's predictions
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -67,7 +69,7 @@ def run_tags(cfg: DictConfig, device: str, meter_label: str) -> dict[str, str]:
         "memfit.budget_gib": "none" if cfg.budget.gib is None else f"{cfg.budget.gib:g}",
         "memfit.device": device,
         "memfit.meter": meter_label,
-        "memfit.mode": "preflight_only" if cfg.preflight_only else "train",
+        "memfit.mode": "estimate_only" if cfg.estimate_only else "preflight_only" if cfg.preflight_only else "train",
     }
 
 
@@ -87,13 +89,11 @@ def _log_audit(prepared: Any, tracker: Any) -> None:
         tracker.log_artifact(path, "audit")
 
 
-def _run_preflight(cfg: DictConfig, ctx: dict[str, Any]) -> Any:
-    """Probe the audit's worst batches under the budget; raise PreflightFailed when they do not fit."""
-    from memfit.preflight import PreflightFailed, PreflightReport, ProbeSetup, find_max_batch, fits, probe, suggest
-    from memfit.progress import progress_bar
+def _probe_setup(cfg: DictConfig, ctx: dict[str, Any]) -> Any:
+    """How the preflight and the calibration probe: the run's model, its real optimizer, its collator."""
+    from memfit.preflight import ProbeSetup
 
-    trainer, built, audit = ctx["trainer"], ctx["built"], ctx["prepared"].audit
-    cap, meter = ctx["cap"], ctx["meter"]
+    trainer, built = ctx["trainer"], ctx["built"]
 
     def make_optimizer() -> Any:
         trainer.optimizer = None
@@ -102,11 +102,11 @@ def _run_preflight(cfg: DictConfig, ctx: dict[str, Any]) -> Any:
         return optimizer
 
     model_vocab = getattr(built.model.config, "vocab_size", None) or len(built.tokenizer)
-    setup = ProbeSetup(
+    return ProbeSetup(
         built.model,
         make_optimizer,
         ctx["collator"].inner,
-        meter,
+        ctx["meter"],
         ctx["device"],
         cfg.model.task,
         cfg.memory.precision,
@@ -115,12 +115,117 @@ def _run_preflight(cfg: DictConfig, ctx: dict[str, Any]) -> Any:
         cfg.trainer.gradient_accumulation_steps,
         cfg.trainer.predict_with_generate,
     )
+
+
+def _budget_and_limit(cfg: DictConfig, ctx: dict[str, Any]) -> tuple[int, int]:
+    """The budget in bytes and the limit a peak is judged against (budget minus margin)."""
+    cap, meter = ctx["cap"], ctx["meter"]
     budget = cap.budget_bytes or (cap.fraction or 1.0) * meter.total_bytes()
     if ctx["device"] != "cuda":  # nothing caps host allocations: never probe past the memory the host has free
         import psutil
 
         budget = min(budget, psutil.virtual_memory().available + meter.current_bytes())
-    limit = int(budget - cfg.budget.margin_gib * 1024**3)
+    return int(budget), int(budget - cfg.budget.margin_gib * 1024**3)
+
+
+def _calibrate(cfg: DictConfig, ctx: dict[str, Any], setup: Any) -> Any:
+    """The memory model for this run (cached, or fitted now from a few probes), or None where it is not wanted."""
+    from memfit.calibration import cached, calibrate, calibration_shapes, wanted
+    from memfit.memory_model import describe_architecture, model_state_bytes
+    from memfit.progress import progress_bar
+
+    if not wanted(cfg, ctx["device"]):
+        return None
+    calibration = cached(cfg, ctx["device"])
+    if calibration is not None:
+        log.info("memory model: calibration %s reused from %s", calibration.key, cfg.calibration.cache_dir)
+    else:
+        model = ctx["built"].model
+        arch = describe_architecture(model, cfg.model.task)
+        probes = len(calibration_shapes(arch, cfg.calibration.probe_tokens))
+        with progress_bar("memory model calibration", probes) as show:
+            calibration = calibrate(
+                cfg,
+                setup,
+                arch,
+                model_state_bytes(model, cfg.memory.optimizer),
+                on_probe=lambda shape: show(advance=1, note=shape.describe(cfg.model.task)),
+            )
+    if calibration is not None:
+        ctx["tracker"].log_params({"memfit.calibration": calibration.key})
+        ctx["tracker"].log_metrics({"calibration/seconds": 0.0 if calibration.from_cache else calibration.seconds})
+    return calibration
+
+
+def _log_prediction(ctx: dict[str, Any], calibration: Any, worst: Any) -> None:
+    """The memory model's prediction for the worst probe beside what it measured: every run checks the model."""
+    if calibration is None or worst.oom:
+        return
+    predicted = calibration.estimate(worst.shape)
+    ctx["predicted_peak_gib"] = predicted.reserved / 1024**3
+    ctx["tracker"].log_metrics(
+        {
+            "preflight/predicted_allocated_gib": predicted.allocated / 1024**3,
+            "preflight/predicted_reserved_gib": predicted.reserved / 1024**3,
+            "preflight/prediction_error_reserved": predicted.reserved / worst.peak.reserved - 1,
+        },
+        step=0,
+    )
+    log.info(
+        "memory model: predicted %.2f GiB reserved for the worst batch, measured %.2f GiB (%+.1f%%)",
+        predicted.reserved / 1024**3,
+        worst.peak.reserved / 1024**3,
+        100 * (predicted.reserved / worst.peak.reserved - 1),
+    )
+
+
+def _estimate(cfg: DictConfig, ctx: dict[str, Any]) -> RunReport:
+    """estimate_only=true: the memory model's prediction for this config, printed and recorded; no training."""
+    from memfit.estimate import estimate
+    from memfit.memory_model import describe_architecture, model_state_bytes
+
+    model = ctx["built"].model
+    budget, limit = _budget_and_limit(cfg, ctx)
+    calibration = _calibrate(cfg, ctx, _probe_setup(cfg, ctx))
+    result = estimate(
+        cfg.model.task,
+        ctx["prepared"].audit.worst_train,
+        model_state_bytes(model, cfg.memory.optimizer),
+        describe_architecture(model, cfg.model.task),
+        calibration,
+        budget,
+        limit,
+        cfg.preflight.max_batch_limit,
+    )
+    ctx["tracker"].log_metrics(result.metrics(), step=0)
+    ctx["tracker"].log_text(result.summary(), "estimate.txt")
+    print(result.summary())
+    return RunReport(
+        status="ok",
+        steps=0,
+        predicted_peak_gib=result.peak.reserved / 1024**3 if result.peak else None,
+        limit_gib=limit / 1024**3,
+        max_batch=result.largest_batch,
+        calibration=_calibration_path(cfg, calibration),
+    )
+
+
+def _calibration_path(cfg: DictConfig, calibration: Any) -> str | None:
+    """Where the calibration is cached: a sweeper reads it to predict its next trials."""
+    if calibration is None:
+        return None
+    return str(Path(cfg.calibration.cache_dir).resolve() / f"{calibration.key}.json")
+
+
+def _run_preflight(cfg: DictConfig, ctx: dict[str, Any]) -> Any:
+    """Probe the audit's worst batches under the budget; raise PreflightFailed when they do not fit."""
+    from memfit.preflight import PreflightFailed, PreflightReport, find_max_batch, fits, probe, suggest
+    from memfit.progress import progress_bar
+
+    built, audit, meter = ctx["built"], ctx["prepared"].audit, ctx["meter"]
+    setup = _probe_setup(cfg, ctx)
+    budget, limit = _budget_and_limit(cfg, ctx)
+    calibration = ctx["calibration"] = _calibrate(cfg, ctx, setup)
     start = time.perf_counter()
     probes = []
     eval_shape = audit.worst_eval if cfg.memory.eval_enabled else None
@@ -130,7 +235,9 @@ def _run_preflight(cfg: DictConfig, ctx: dict[str, Any]) -> Any:
             probes += probe(setup, shape, eval_shape if index == 0 else None)
             show(advance=1)
     passed = fits(probes, limit)
-    report = PreflightReport(passed, probes, limit, int(budget), meter.label, cfg.model.task)
+    report = PreflightReport(passed, probes, limit, budget, meter.label, cfg.model.task)
+    train_probes = [p for p in probes if p.phase == "train"]
+    _log_prediction(ctx, calibration, max(train_probes, key=lambda p: (p.oom, p.judged_bytes)))
     if passed and (cfg.preflight.find_max_batch or cfg.preflight_only):
         worst_shape = max(audit.worst_train, key=lambda s: s.tokens)
         with progress_bar("max batch search", None) as show:
@@ -156,6 +263,7 @@ def _run_preflight(cfg: DictConfig, ctx: dict[str, Any]) -> Any:
             max_source=audit.max_source_length,
             trainable_params=built.trainable_params,
             lora_enabled=cfg.model.lora.enabled,
+            predict=(lambda shape: calibration.estimate(shape).reserved) if calibration else None,
         )
     report.seconds = time.perf_counter() - start
     ctx["tracker"].log_metrics(report.metrics(), step=0)
@@ -307,8 +415,11 @@ def remember_run(cfg: DictConfig, tracker: Any, resume: ResumePoint) -> None:
         tracker.set_tags({"memfit.resumed_from": Path(resume.checkpoint).name})
 
 
-def _fill_from_preflight(report: RunReport, preflight: Any, audit: Any) -> None:
+def _fill_from_preflight(report: RunReport, preflight: Any, audit: Any, ctx: dict[str, Any]) -> None:
     report.label_coverage = audit.label_coverage
+    if ctx.get("calibration") is not None:
+        report.calibration = _calibration_path(ctx["cfg"], ctx["calibration"])
+        report.predicted_peak_gib = ctx.get("predicted_peak_gib")
     if preflight is None:
         return
     worst = preflight.worst
@@ -365,13 +476,16 @@ def run(cfg: DictConfig) -> RunReport:
         _log_audit(prepared, tracker)
         tracker.log_metrics({"audit/seconds": audit_seconds}, step=0)
         _prepare_training(cfg, ctx)
-        if cfg.preflight.enabled:
-            preflight = _run_preflight(cfg, ctx)
-        report = RunReport(status="ok", steps=0) if cfg.preflight_only else _train(cfg, ctx)
+        if cfg.estimate_only:
+            report = _estimate(cfg, ctx)
+        else:
+            if cfg.preflight.enabled:
+                preflight = _run_preflight(cfg, ctx)
+            report = RunReport(status="ok", steps=0) if cfg.preflight_only else _train(cfg, ctx)
     except PreflightFailed as err:
         tracker.finish("FAILED", "preflight: the worst batch does not fit the budget")
         report = RunReport(status="preflight_failed", reason=str(err), run_id=tracker.run_id, meter=meter.label)
-        _fill_from_preflight(report, err.report, prepared.audit)
+        _fill_from_preflight(report, err.report, prepared.audit, ctx)
         return report
     except (Exception, KeyboardInterrupt) as err:
         from memfit.training import NonFiniteLoss
@@ -388,9 +502,9 @@ def run(cfg: DictConfig) -> RunReport:
             return RunReport(status=status, reason=reason, run_id=tracker.run_id, meter=meter.label)
         raise
     report.run_id, report.meter = tracker.run_id, meter.label
-    _fill_from_preflight(report, preflight, prepared.audit)
+    _fill_from_preflight(report, preflight, prepared.audit, ctx)
     tracker.finish("FINISHED")
-    if not cfg.preflight_only:
+    if not (cfg.preflight_only or cfg.estimate_only):
         log.info(
             "done: %d steps, loss %s, peak allocated %.2f GiB, peak reserved %.2f GiB (%s), %.0f tokens/s",
             report.steps,

@@ -19,6 +19,8 @@ class MemfitSweeperConf:
     objective: str = "throughput"  # throughput | loss | coverage | peak | pareto
     pareto: list[str] = field(default_factory=lambda: ["throughput", "loss"])  # objectives of objective=pareto
     coverage_floor: float = 0.0  # a trial keeping less than this share of label tokens is infeasible
+    # tell without running a configuration the memory model predicts over budget × (1 + margin); null: never
+    predict_margin: float | None = 0.1
     effective_batch: int | None = None  # hold batch × accumulation: accumulation = ceil(effective_batch / batch)
     isolation: str = "process"  # process: a fresh python process per trial | none: trials in the sweeper's process
     trial_timeout_s: float | None = None  # process isolation: a trial still running after this is killed, FAIL

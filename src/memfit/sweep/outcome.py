@@ -36,6 +36,8 @@ ATTRS = (
     "train_tokens",
     "run_id",
     "max_batch",
+    "predicted_peak_gib",  # the memory model's prediction for the worst batch, beside the measured peak
+    "calibration",  # the memory model's calibration file: later trials are predicted from it
 )
 
 

@@ -1,17 +1,22 @@
-"""What the data alone decides before any GPU trial: the share of label tokens each max_label_length keeps.
+"""What the data alone decides before any GPU trial: the share of label tokens each max_label_length keeps, and
+the worst padded batch each configuration can produce.
 
-Label coverage depends only on the training data and the label length (with over-length samples truncated, not
-dropped), so the sweeper computes it once, from the same tokenized lengths every trial's audit sees, and tells a
-configuration below the coverage floor without launching it.
+Both depend only on the training data and the lengths (with over-length samples truncated, not dropped), so the
+sweeper reads the tokenized lengths once, as every trial's audit sees them, and tells a configuration below the
+coverage floor without launching it; the memory model (sweep.predict) uses the worst batches.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from omegaconf import DictConfig
+
+from memfit.audit import BatchShape, label_coverage, worst_batches
 
 log = logging.getLogger("memfit.sweep")
 
@@ -38,24 +43,45 @@ class CoverageScreen:
         return coverage if coverage < self.floor else None
 
 
-def applies(space: dict[str, Any], config: DictConfig, floor: float) -> bool:
+@dataclass(frozen=True)
+class DataLengths:
+    """Raw token lengths of the training split, as every trial's length audit sees them."""
+
+    task: str
+    source: np.ndarray
+    label: np.ndarray
+
+    def worst_batches(self, batch: int, max_source: int, max_label: int, multiple: int | None) -> list[BatchShape]:
+        """The audit's worst padded batches for these settings (over-length samples truncated)."""
+        source, label = np.minimum(self.source, max_source), np.minimum(self.label, max_label)
+        return worst_batches(source, label, batch, self.task, multiple)
+
+
+def data_lengths(space: dict[str, Any], config: DictConfig) -> DataLengths | None:
+    """The data's lengths, or None where they are not the data's alone (the space changes the data, the model's
+    tokenizer or the over-length policy; samples are dropped) or the data cannot be read here (the trials then
+    report why)."""
     varies_labels = any(key.startswith(CHANGES_LABELS) for key in space)
-    return floor > 0 and config.memory.overlength == "truncate" and not varies_labels
-
-
-def coverage_screen(space: dict[str, Any], config: DictConfig, floor: float) -> CoverageScreen | None:
-    """The screen for this sweep, or None where coverage is not the data's alone (or the data cannot be read here:
-    the trials then report why)."""
-    if not applies(space, config, floor):
+    if varies_labels or config.memory.overlength != "truncate":
         return None
-    from memfit.audit import label_coverage
     from memfit.data import load_and_tokenize
     from memfit.models import build_tokenizer
 
     try:
-        label_raw = load_and_tokenize(config, build_tokenizer(config.model)).label_raw
+        prepared = load_and_tokenize(config, build_tokenizer(config.model))
     except Exception as err:  # noqa: BLE001 - every trial reports this data problem itself, with its run
-        log.warning("label coverage not screened before the trials: %s", str(err).splitlines()[0] if str(err) else err)
+        log.warning(
+            "the data's lengths were not read before the trials: %s", str(err).splitlines()[0] if str(err) else err
+        )
+        return None
+    return DataLengths(config.model.task, prepared.source_raw, prepared.label_raw)
+
+
+def coverage_screen(
+    lengths: DataLengths | None, space: dict[str, Any], config: DictConfig, floor: float
+) -> CoverageScreen | None:
+    """The coverage screen for this sweep, or None without a floor or without the data's lengths."""
+    if floor <= 0 or lengths is None:
         return None
     fixed = None if LABEL in space else config.memory.max_label_length
-    return CoverageScreen(lambda length: label_coverage(label_raw, length), floor, fixed)
+    return CoverageScreen(lambda length: label_coverage(lengths.label, length), floor, fixed)

@@ -29,7 +29,7 @@ from memfit.sweep.outcome import (
     outcome_of,
 )
 from memfit.sweep.results import ladder_table, log_pareto_plot, summarise
-from memfit.sweep.screen import LABEL, coverage_screen
+from memfit.sweep.screen import LABEL, coverage_screen, data_lengths
 from memfit.sweep.space import SweepConfigError, dominated_by, parse_search, repeat_of
 from memfit.sweep.trials import InProcessTrials, ProcessTrials, app_argv, pid_alive, trial_env
 
@@ -80,7 +80,8 @@ class BudgetSweep:
         self.studies: list[Any] = []  # finished studies of this command (a ladder's smaller budgets)
         self.ladder_run: Any = None
         self.screen: Any = None  # label coverage per max_label_length, from the data alone (sweep.screen)
-        self.screened = False  # the screen is built once per command, even where it does not apply (None)
+        self.predictor: Any = None  # the memory model's predictions, once a trial calibrated it (sweep.predict)
+        self.screened = False  # the data is screened once per command, even where it does not apply (None)
         self.space: dict[str, Any] = {}
 
     def setup(self, *, hydra_context: Any, task_function: Any, config: DictConfig) -> None:
@@ -229,6 +230,8 @@ class BudgetSweep:
         for key, value in outcome.attrs.items():
             if key != "run_id" or value:
                 trial.set_user_attr(key, value)
+        if self.predictor is not None:
+            self.predictor.learn(trial.params, outcome.attrs.get("calibration"), trial.number)
         for key, value in outcome.constraints.items():
             trial.set_constraint(key, value)
         if outcome.state == "complete":
@@ -259,13 +262,21 @@ class BudgetSweep:
         # a process that died (SIGKILL, OOM-killer, timeout) could not end its run: the sweeper does
         child.finish_if_running("FINISHED" if status == "ok" else "KILLED" if "killed" in reason else "FAILED", reason)
 
-    def _screen_coverage(self) -> None:
-        """Label coverage per label length, once per command, from the data alone (after the storage opened, so
-        that a bad storage URL is reported first)."""
+    def _screen_data(self) -> None:
+        """Read the data's lengths once per command (after the storage opened, so that a bad storage URL is reported
+        first): label coverage per label length, and the worst batches the memory model predicts."""
         if self.screened:
             return
         self.screened = True
-        self.screen = coverage_screen(self.space, self.config, self.settings.coverage_floor)
+        s = self.settings
+        if s.coverage_floor <= 0 and s.predict_margin is None:
+            return
+        lengths = data_lengths(self.space, self.config)
+        self.screen = coverage_screen(lengths, self.space, self.config, s.coverage_floor)
+        if lengths is not None and s.predict_margin is not None:
+            from memfit.sweep.predict import MemoryPredictor
+
+            self.predictor = MemoryPredictor(lengths, self.config, s.predict_margin, s.effective_batch)
         if self.screen is not None and LABEL not in self.space and (coverage := self.screen.below_floor({})):
             raise SweepConfigError(
                 f"memory.max_label_length={self.screen.fixed_label} keeps {coverage:.2%} of label tokens, below "
@@ -273,10 +284,19 @@ class BudgetSweep:
                 "search memory.max_label_length with choice(...) or lower the floor"
             )
 
+    def _learn_calibrations(self, study: Any) -> None:
+        """Calibrations earlier trials of this study reported (a resumed sweep predicts from them too)."""
+        if self.predictor is None:
+            return
+        for trial in study.trials:
+            if trial.state.is_finished() and trial.user_attrs.get("calibration"):
+                self.predictor.learn(trial.params, trial.user_attrs["calibration"], trial.number)
+
     def _known_outcome(self, study: Any, params: dict[str, Any]) -> tuple[dict, list | None, dict] | None:
         """(user attrs, values, constraints) of a configuration whose outcome is known without running it: one an
         earlier trial measured, one that certainly cannot fit (it dominates a measured infeasible trial), or one
-        whose label length keeps less than the coverage floor (from the data alone)."""
+        whose label length keeps less than the coverage floor (from the data alone), or one the memory model predicts
+        far over the budget."""
         import optuna
 
         finished = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
@@ -298,6 +318,12 @@ class BudgetSweep:
             )
             attrs = {"status": "below_coverage_floor", "reason": reason, "label_coverage": coverage}
             return attrs, None, {"memory_gib": 0.0, "coverage": floor - coverage}  # memory: not measured
+        if self.predictor is not None and (over := self.predictor.over_budget(params, self.budget_gib)) is not None:
+            attrs, constraints = over
+            if self.screen is not None:  # the same constraints as measured trials carry
+                label = params.get(LABEL, self.screen.fixed_label)
+                constraints["coverage"] = self.settings.coverage_floor - self.screen.coverage_of(int(label))
+            return attrs, None, constraints
         return None
 
     def _told_without_running(self, study: Any, trial: Any, parent: Any) -> bool:
@@ -334,7 +360,8 @@ class BudgetSweep:
 
     def _run_study(self, space: dict[str, Any], fixed: list[str], earlier: list[Any]) -> dict[str, Any] | None:
         study = self._study()
-        self._screen_coverage()
+        self._screen_data()
+        self._learn_calibrations(study)
         parent = self._parent_run(study)
         try:
             self._recover_interrupted(study, parent)

@@ -1,0 +1,288 @@
+"""The memory model against measured peaks: calibrate from memfit's four probes, then predict and measure held-apart
+configurations, beside the Korthikanti et al. (2022) activation formula and accelerate's estimate-memory.
+
+    python benchmarks/memory_model_gpu.py --tokenizer .gpu/tok --out $OUT/memory_model.json
+
+For each model (memory=balanced: bf16 autocast, fp32 weights, AdamW; the Qwen models with LoRA) with and without
+gradient checkpointing: build the model as a run does, calibrate (`memfit.calibration.calibrate`: four probes at
+small shapes, least squares), then for each held-apart shape predict peak allocated and reserved and measure them
+with the preflight's own probe (two optimizer steps of forward and backward on a batch of exactly that shape).
+Every number goes to --out as it is measured. `--models` and `--shapes-scale` make a quick CPU smoke run possible.
+
+Baselines, on the same configurations:
+- korthikanti: model state counted exactly (memfit's analytic part) plus s·b·h·(34 + 5·a·s/h) bytes per layer
+  (2·s·b·h with full recomputation), encoder layers at the source length, decoder layers at the label length;
+- accelerate: `accelerate estimate-memory`'s "Training using Adam" for the model's parameters (batch-independent).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# held-apart (batch, source, label); causal models use (batch, length, length). None of them is a calibration shape,
+# and none was among the shapes of the three earlier runs, after which the design changed (benchmarks/README.md).
+SHAPES = {
+    "pegasus_large": [(1, 896, 896), (4, 960, 320), (8, 704, 224), (14, 576, 160), (24, 320, 224), (30, 288, 96)],
+    "bart_large": [(2, 896, 640), (6, 1024, 192), (18, 576, 160), (26, 352, 224)],
+    "t5_base": [(1, 3072, 768), (2, 2304, 448), (5, 1792, 320), (10, 1152, 224), (20, 640, 160), (4, 768, 1280)],
+    "qwen2_5_0_5b": [(1, 3584, 3584), (2, 2816, 2816), (4, 1792, 1792), (10, 768, 768), (28, 224, 224)],
+    "qwen2_5_1_5b": [(1, 4608, 4608), (3, 1536, 1536), (5, 1152, 1152), (20, 320, 320)],
+    "tiny_seq2seq": [(2, 256, 64), (8, 128, 128)],  # CPU smoke run of this script
+    "tiny_causal": [(2, 256, 256), (8, 128, 128)],
+}
+
+
+def compose(overrides: list[str]):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from memfit.config import register_configs
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return hydra_compose("train", overrides=overrides)
+
+
+def probe_context(cfg, device: str) -> tuple[dict, object]:
+    """What memfit.run.run builds before its preflight: data, meter, model, Trainer; and the preflight's ProbeSetup."""
+    import memfit.run as run
+    from memfit.data import load_and_tokenize
+    from memfit.meter import make_meter
+    from memfit.models import build_tokenizer
+    from memfit.policy import apply_budget
+    from memfit.tracking import start_tracking
+
+    tokenizer = build_tokenizer(cfg.model)
+    meter = make_meter(device)
+    ctx = dict(
+        cfg=cfg,
+        device=device,
+        tokenizer=tokenizer,
+        prepared=load_and_tokenize(cfg, tokenizer),
+        meter=meter,
+        cap=apply_budget(cfg, device, meter.total_bytes()),
+        tracker=start_tracking(cfg, "memory-model-benchmark", {}),
+        resume=run.ResumePoint(),
+    )
+    run._prepare_training(cfg, ctx)
+    return ctx, run._probe_setup(cfg, ctx)
+
+
+def korthikanti_bytes(shape, arch, hidden: int, checkpointing: bool) -> float:
+    """Activations per Korthikanti et al. (2022), 16-bit, no sequence parallelism: per layer s·b·h·(34 + 5·a·s/h),
+    or 2·s·b·h with full recomputation."""
+    batch, source, label = shape
+
+    def layer(length: int) -> float:
+        if checkpointing:
+            return 2 * length * batch * hidden
+        return length * batch * hidden * (34 + 5 * arch.heads * length / hidden)
+
+    if arch.task == "causal":
+        return arch.decoder_layers * layer(source)
+    return arch.encoder_layers * layer(source) + arch.decoder_layers * layer(label)
+
+
+def accelerate_bytes(model, precision: str) -> float:
+    from accelerate.commands.estimate import estimate_training_usage
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    fp32_size = 4 * sum(p.numel() for n, p in base.named_parameters() if "lora_" not in n)
+    return float(max(estimate_training_usage(fp32_size, "bfloat16" if precision == "bf16" else "float32").values()))
+
+
+def hidden_size(model) -> int:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = base.config
+    return int(getattr(config, "d_model", None) or getattr(config, "hidden_size", None) or config.decoder.hidden_size)
+
+
+def measure_model(name: str, checkpointing: bool, args, out: dict, save) -> None:
+    import torch
+
+    from memfit.audit import BatchShape
+    from memfit.calibration import calibrate
+    from memfit.memory_model import describe_architecture, model_state_bytes
+    from memfit.preflight import probe
+
+    overrides = [
+        f"model={name}",
+        "memory=balanced",
+        f"memory.gradient_checkpointing={str(checkpointing).lower()}",
+        "memory.eval_enabled=false",
+        "data.max_train_samples=32",
+        "tracking=none",
+        "budget.gib=null",
+        f"calibration.cache_dir={args.work}/calibration",
+        f"output_dir={args.work}/outputs",
+        f"trainer.device={args.device}",
+        *([f"model.tokenizer={args.tokenizer}"] if args.tokenizer else []),
+    ]
+    cfg = compose(overrides)
+    started = time.perf_counter()
+    ctx, setup = probe_context(cfg, args.device)
+    build_s = time.perf_counter() - started
+    model = ctx["built"].model
+    arch = describe_architecture(model, cfg.model.task)
+    state = model_state_bytes(model, cfg.memory.optimizer)
+    calibration = calibrate(cfg, setup, arch, state)
+    group = {
+        "model": name,
+        "gradient_checkpointing": checkpointing,
+        "build_s": build_s,
+        "architecture": arch.to_dict(),
+        "state": state.__dict__,
+        "calibration": json.loads(calibration.to_json()) if calibration else None,
+        "rows": [],
+    }
+    out["groups"].append(group)
+    save()
+    if calibration is None:
+        return
+    baseline_state = accelerate_bytes(model, cfg.memory.precision)
+    hidden = hidden_size(model)
+    for batch, source, label in SHAPES[name]:
+        shape = BatchShape(max(1, int(batch)), int(source * args.shapes_scale), int(label * args.shapes_scale))
+        predicted = calibration.estimate(shape)
+        started = time.perf_counter()
+        measured = probe(setup, shape)[0]
+        row = {
+            "shape": [shape.batch, shape.source, shape.label],
+            "tokens": shape.batch * (shape.source if arch.task == "causal" else shape.source + shape.label),
+            "seconds": time.perf_counter() - started,
+            "predicted_allocated": predicted.allocated,
+            "predicted_reserved": predicted.reserved,
+            "breakdown": predicted.breakdown(),
+            "korthikanti": state.total
+            + korthikanti_bytes((shape.batch, shape.source, shape.label), arch, hidden, checkpointing),
+            "accelerate": baseline_state,
+            "oom": measured.oom,
+        }
+        row["predicted_phase"] = predicted.phase
+        if not measured.oom:
+            row["allocated"], row["reserved"] = measured.peak.allocated, measured.peak.reserved
+            row["backward"] = [measured.backward_peak.allocated, measured.backward_peak.reserved]
+            row["step"] = [measured.step_peak.allocated, measured.step_peak.reserved]
+        group["rows"].append(row)
+        save()
+        print(
+            name, checkpointing, row["shape"], {k: row.get(k) for k in ("allocated", "predicted_allocated")}, flush=True
+        )
+    del ctx, setup, model
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def check_8bit_state(args, out: dict, save) -> None:
+    """bitsandbytes' 8-bit AdamW state after a real step, against the analytic count."""
+    from memfit.audit import BatchShape
+    from memfit.memory_model import optimizer_state_bytes
+    from memfit.preflight import make_batch
+
+    for name in args.eight_bit:
+        cfg = compose(
+            [
+                f"model={name}",
+                "memory=balanced",
+                "memory.optimizer=adamw_8bit",
+                "data.max_train_samples=32",
+                "tracking=none",
+                f"output_dir={args.work}/outputs",
+                *([f"model.tokenizer={args.tokenizer}"] if args.tokenizer else []),
+            ]
+        )
+        ctx, setup = probe_context(cfg, args.device)
+        optimizer = setup.make_optimizer()
+        batch = make_batch(BatchShape(2, 64, 32), setup.collator, setup.task, setup.vocab_size, setup.device)
+        setup.model(**batch).loss.backward()
+        optimizer.step()
+        seen, real = set(), 0
+        for state in optimizer.state.values():
+            for value in state.values():
+                if hasattr(value, "data_ptr") and value.data_ptr() not in seen:
+                    seen.add(value.data_ptr())
+                    real += value.numel() * value.element_size()
+        out["adamw_8bit"].append(
+            {
+                "model": name,
+                "optimizer": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+                "real_state_bytes": real,
+                "analytic_state_bytes": optimizer_state_bytes(setup.model, "adamw_8bit"),
+            }
+        )
+        save()
+        print("adamw_8bit", out["adamw_8bit"][-1], flush=True)
+        del ctx, setup, optimizer
+
+
+def errors(out: dict) -> dict:
+    """Median and max absolute relative error of each method, for allocated and reserved."""
+    table = {}
+    rows = [row for group in out["groups"] for row in group["rows"] if not row["oom"]]
+    for measured in ("allocated", "reserved"):
+        for method, key in (
+            ("memfit", f"predicted_{measured}"),
+            ("korthikanti", "korthikanti"),
+            ("accelerate", "accelerate"),
+        ):
+            errs = [abs(row[key] / row[measured] - 1) for row in rows]
+            if errs:
+                table[f"{method}/{measured}"] = {"median": statistics.median(errs), "max": max(errs), "n": len(errs)}
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--models", nargs="+", default=["pegasus_large", "bart_large", "t5_base", "qwen2_5_0_5b", "qwen2_5_1_5b"]
+    )
+    parser.add_argument("--eight-bit", nargs="*", default=["qwen2_5_0_5b", "bart_large"])
+    parser.add_argument("--tokenizer", default=None)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--shapes-scale", type=float, default=1.0)
+    parser.add_argument("--work", default="/tmp/memfit-memory-model")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT / "src"))
+    import torch
+
+    from memfit.calibration import library_versions  # noqa: F401 - fails early where memfit is not importable
+
+    out = {
+        "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "command": " ".join(sys.argv),
+        "groups": [],
+        "adamw_8bit": [],
+    }
+    path = Path(args.out)
+    from memfit.policy import apply_allocator_env
+
+    apply_allocator_env(compose(["memory=balanced"]).memory)  # expandable segments, before CUDA starts
+
+    def save() -> None:
+        out["errors"] = errors(out)
+        path.write_text(json.dumps(out, indent=1))
+
+    for name in args.models:
+        for checkpointing in (False, True):
+            measure_model(name, checkpointing, args, out, save)
+    if args.device == "cuda":
+        check_8bit_state(args, out, save)
+    save()
+    print(json.dumps(out["errors"], indent=1))
+
+
+if __name__ == "__main__":
+    main()

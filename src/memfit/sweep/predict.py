@@ -1,0 +1,107 @@
+"""Trials the memory model predicts far over the budget are told without running: predicted, never measured.
+
+The first trial of a sweep calibrates the memory model on the device (memfit.calibration; cached, so later trials
+reuse it) and reports where the calibration lies. From then on the sweeper predicts each proposed configuration's
+worst batch (the data's lengths, cut as the trial would cut them) and tells those whose predicted peak is over the
+budget by more than a safety margin, marking them `predicted`. A calibration holds for one memory policy: where the
+search space varies policy knobs, each combination is predicted only from a trial that ran with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from memfit.sweep.screen import DataLengths
+
+log = logging.getLogger("memfit.sweep")
+
+BATCH, ACCUMULATION = "trainer.batch_size", "trainer.gradient_accumulation_steps"
+SOURCE, LABEL = "memory.max_source_length", "memory.max_label_length"
+SHAPE_KEYS = (BATCH, ACCUMULATION, SOURCE, LABEL, "trainer.seed")  # what a calibration predicts over
+
+
+class MemoryPredictor:
+    def __init__(self, lengths: DataLengths, config: DictConfig, margin: float, effective_batch: int | None) -> None:
+        self.lengths = lengths
+        self.config = config
+        self.margin = margin
+        self.effective_batch = effective_batch
+        self.calibrations: dict[tuple, tuple[Any, int]] = {}  # policy signature → (calibration, trial that made it)
+
+    def _accumulation(self, params: dict[str, Any]) -> int:
+        if ACCUMULATION in params:
+            return int(params[ACCUMULATION])
+        batch = int(params.get(BATCH, self.config.trainer.batch_size))
+        if self.effective_batch:
+            return math.ceil(self.effective_batch / batch)
+        return int(self.config.trainer.gradient_accumulation_steps)
+
+    def signature(self, params: dict[str, Any]) -> tuple:
+        """What must match for a calibration to apply: the searched knobs that are not shapes, and whether the step
+        accumulates gradients (a forward then runs with the previous micro-batch's gradients held)."""
+        policy = tuple(sorted((k, str(v)) for k, v in params.items() if k not in SHAPE_KEYS))
+        return (*policy, ("accumulates", self._accumulation(params) > 1))
+
+    def learn(self, params: dict[str, Any], path: str | None, trial_number: int) -> None:
+        """Take the calibration a trial reported (the first one per policy signature)."""
+        from memfit.calibration import Calibration
+
+        key = self.signature(params)
+        if not path or key in self.calibrations:
+            return
+        try:
+            calibration = Calibration.from_json(Path(path).read_text())
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            log.warning(
+                "trial %d's calibration %s could not be read (%s): not predicting from it", trial_number, path, err
+            )
+            return
+        self.calibrations[key] = (calibration, trial_number)
+        log.info("memory model: trials like %d are now predicted from calibration %s", trial_number, calibration.key)
+
+    def predicted_gib(self, params: dict[str, Any]) -> tuple[float, Any, int] | None:
+        """(peak reserved GiB of the worst batch, calibration, trial it came from), or None without a calibration."""
+        found = self.calibrations.get(self.signature(params))
+        if found is None:
+            return None
+        calibration, source_trial = found
+        memory, model = self.config.memory, self.config.model
+        shapes = self.lengths.worst_batches(
+            int(params.get(BATCH, self.config.trainer.batch_size)),
+            int(params.get(SOURCE, memory.max_source_length) or model.max_positions),
+            int(params.get(LABEL, memory.max_label_length) or model.max_positions),
+            memory.pad_to_multiple_of,
+        )
+        if not shapes:
+            return None
+        peak = max(calibration.estimate(shape).reserved for shape in shapes)
+        return peak / 1024**3, calibration, source_trial
+
+    def over_budget(self, params: dict[str, Any], budget_gib: float | None) -> tuple[dict, dict] | None:
+        """(user attrs, constraints) for a configuration predicted over budget × (1 + margin); else None."""
+        if not budget_gib:
+            return None
+        predicted = self.predicted_gib(params)
+        if predicted is None:
+            return None
+        gib, calibration, source_trial = predicted
+        if gib <= budget_gib * (1 + self.margin):
+            return None
+        limit = budget_gib - self.config.budget.margin_gib
+        reason = (
+            f"not run: predicted {gib:.2f} GiB for the worst batch, over the {budget_gib:g} GiB budget by more than "
+            f"the {self.margin:.0%} safety margin (memory model {calibration.key}, calibrated in trial {source_trial})"
+        )
+        attrs = {
+            "status": "predicted_infeasible",
+            "reason": reason,
+            "predicted": True,
+            "predicted_peak_gib": gib,
+            "calibration_from": source_trial,
+        }
+        return attrs, {"memory_gib": gib - limit}

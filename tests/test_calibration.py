@@ -1,0 +1,198 @@
+"""Calibration of the memory model: real probes on a tiny model (host memory on CPU), the cache and its key."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from memfit.calibration import (
+    Calibration,
+    cached,
+    calibrate,
+    calibration_key,
+    calibration_shapes,
+    identity,
+    probe_plan,
+    wanted,
+)
+from memfit.memory_model import Architecture, describe_architecture, model_state_bytes
+
+from .conftest import FAST
+from .test_preflight import _setup
+
+TINY = ("model=tiny_seq2seq", *FAST, "tracking=none", "calibration.enabled=true", "calibration.probe_tokens=512")
+
+
+def _calibrate(cfg, probed: list | None = None):
+    setup, _ = _setup(cfg)
+    arch = describe_architecture(setup.model, cfg.model.task)
+    state = model_state_bytes(setup.model, "adamw")
+    return calibrate(cfg, setup, arch, state, on_probe=(probed.append if probed is not None else None))
+
+
+def test_calibration_probes_once_then_comes_from_the_cache(compose_cfg, tmp_path):
+    cfg = compose_cfg(*TINY, f"calibration.cache_dir={tmp_path}/cal")
+    probed: list = []
+    first = _calibrate(cfg, probed)
+    arch = first.architecture
+    assert probed == calibration_shapes(arch, 512, cfg.memory.pad_to_multiple_of) and not first.from_cache
+    assert len(first.probes) == 4 and all(p["allocated"] > 0 and p["step_allocated"] > 0 for p in first.probes)
+    assert first.fit.reserved_ratio > 0 and first.fit.step_allocated == max(p["step_allocated"] for p in first.probes)
+    files = list((tmp_path / "cal").glob("*.json"))
+    assert [f.stem for f in files] == [first.key]
+
+    again: list = []
+    second = _calibrate(cfg, again)
+    assert again == [] and second.from_cache and second.fit == first.fit  # no probe ran
+    assert cached(cfg, "cpu").key == first.key
+    shape = probed[-1]
+    assert second.estimate(shape) == first.estimate(shape)
+
+
+def test_a_damaged_cache_file_is_fitted_again(compose_cfg, tmp_path):
+    cfg = compose_cfg(*TINY, f"calibration.cache_dir={tmp_path}/cal")
+    first = _calibrate(cfg)
+    (tmp_path / "cal" / f"{first.key}.json").write_text("{not json")
+    probed: list = []
+    assert not _calibrate(cfg, probed).from_cache and len(probed) == 4
+    assert Calibration.from_json((tmp_path / "cal" / f"{first.key}.json").read_text()).key == first.key
+
+
+def test_the_key_changes_with_model_policy_device_and_versions(compose_cfg, monkeypatch):
+    base = compose_cfg(*TINY)
+    key = calibration_key(identity(base, "cpu", 512))
+    changed = {
+        "policy": compose_cfg(*TINY, "memory.gradient_checkpointing=true"),
+        "optimizer": compose_cfg(*TINY, "memory.optimizer=adafactor"),
+        "model": compose_cfg(*TINY, "model.architecture.d_model=64"),
+        "accumulation": compose_cfg(*TINY, "trainer.gradient_accumulation_steps=4"),
+    }
+    for what, cfg in changed.items():
+        assert calibration_key(identity(cfg, "cpu", 512)) != key, what
+    assert calibration_key(identity(base, "NVIDIA H200", 512)) != key
+    # what a calibration predicts over does not change it: batch size, lengths, the budget
+    same = compose_cfg(*TINY, "trainer.batch_size=16", "memory.max_label_length=256", "budget.gib=8")
+    assert calibration_key(identity(same, "cpu", 512)) == key
+    import memfit.calibration as calibration
+
+    monkeypatch.setattr(calibration, "library_versions", lambda cfg: {"torch": "9.9", "transformers": "9.9"})
+    assert calibration_key(identity(base, "cpu", 512)) != key
+
+
+def test_attention_that_keeps_its_scores_under_checkpointing_is_not_calibrated(compose_cfg, tmp_path, caplog):
+    cfg = compose_cfg(*TINY, "memory.gradient_checkpointing=true", f"calibration.cache_dir={tmp_path}")
+    t5_like = Architecture("seq2seq", 100, 2, 2, 2, quadratic_attention=True)
+    setup = SimpleNamespace(device="cpu")  # nothing is probed
+    assert calibrate(cfg, setup, t5_like, None) is None
+    assert "not calibrated" in caplog.text and not list(tmp_path.glob("*.json"))
+
+
+def test_when_to_calibrate_and_how_large_the_probes_are(compose_cfg):
+    assert not wanted(compose_cfg("calibration.enabled=auto"), "cpu")
+    assert wanted(compose_cfg("calibration.enabled=auto"), "cuda")
+    assert wanted(compose_cfg("calibration.enabled=true"), "cpu")
+    assert not wanted(compose_cfg("calibration.enabled=false"), "cuda")
+    # checkpointed activations are small: four times the batch, halved before the lengths when a probe does not fit
+    assert probe_plan(compose_cfg("memory.gradient_checkpointing=true"), None) == [
+        (4096, 4),
+        (4096, 2),
+        (4096, 1),
+        (2048, 1),
+    ]
+    assert probe_plan(compose_cfg("calibration.probe_tokens=1024"), None) == [(1024, 1), (512, 1), (256, 1)]
+    arch = Architecture("seq2seq", 100, 2, 2, 2, quadratic_attention=False)
+    shapes = calibration_shapes(arch, 8192, multiple=8, batch_scale=2, max_positions=512)
+    assert max(max(s.source, s.label) for s in shapes) <= 512 and min(s.batch for s in shapes) == 8
+
+
+def test_estimate_only_predicts_without_training(compose_cfg, tmp_path, capsys):
+    from memfit.run import run
+
+    cfg = compose_cfg(*TINY, "estimate_only=true", f"output_dir={tmp_path}")
+    report = run(cfg)
+    shown = capsys.readouterr().out
+    assert report.status == "ok" and report.steps == 0 and report.predicted_peak_gib > 0
+    assert "estimate (memory model" in shown and "fitted from 4 probes" in shown and "breakdown: weights" in shown
+    calibration = Calibration.from_json(Path(report.calibration).read_text())
+    assert f"largest batch predicted to fit at source 64 × labels 32: {report.max_batch}" in shown
+    limit = int(report.limit_gib * 1024**3)
+    assert report.max_batch == calibration.largest_batch(64, 32, limit, cfg.preflight.max_batch_limit)
+    again = run(cfg)  # a second run reuses the calibration
+    assert "reused from its cache" in capsys.readouterr().out and again.calibration == report.calibration
+
+    analytic = run(compose_cfg(*TINY, "estimate_only=true", "calibration.enabled=false", f"output_dir={tmp_path}"))
+    shown = capsys.readouterr().out
+    assert analytic.predicted_peak_gib is None and analytic.calibration is None
+    assert "analytic part only" in shown and "activations not estimated" in shown
+    assert json.loads(json.dumps(analytic.to_dict()))["status"] == "ok"
+
+
+def test_bad_calibration_settings_are_one_line_each(compose_cfg):
+    from memfit.config import ConfigError, validate
+
+    with pytest.raises(ConfigError) as err:
+        validate(
+            compose_cfg(
+                "calibration.enabled=sometimes",
+                "calibration.probe_tokens=0",
+                "estimate_only=true",
+                "preflight_only=true",
+            )
+        )
+    text = str(err.value)
+    assert "calibration.enabled=sometimes" in text and "calibration.probe_tokens" in text
+    assert "estimate_only=true and preflight_only=true" in text
+
+
+def test_the_sweeper_tells_a_configuration_predicted_far_over_budget_without_running_it(compose_cfg, tmp_path):
+    import optuna
+
+    from memfit.sweep import BudgetSweep
+    from memfit.sweep.predict import MemoryPredictor
+    from memfit.sweep.screen import data_lengths
+    from memfit.sweep.trials import TrialResult
+
+    cfg = compose_cfg(*TINY, "data.max_train_samples=48", f"calibration.cache_dir={tmp_path}/cal")
+    calibration = _calibrate(cfg)  # what the sweep's first trial does in its own process
+    path = str(tmp_path / "cal" / f"{calibration.key}.json")
+    space = {
+        "trainer.batch_size": optuna.distributions.CategoricalDistribution([2, 512]),
+        "memory.gradient_checkpointing": optuna.distributions.CategoricalDistribution([False, True]),
+    }
+    predictor = MemoryPredictor(data_lengths(space, cfg), cfg, margin=0.1, effective_batch=None)
+    sweep = BudgetSweep(coverage_floor=0.0, predict_margin=0.1)
+    sweep.objectives, sweep.config, sweep.predictor = ["throughput"], cfg, predictor
+    study = optuna.create_study(direction="maximize")
+
+    def ask(batch: int, checkpointing: bool = False):
+        study.enqueue_trial({"trainer.batch_size": batch, "memory.gradient_checkpointing": checkpointing})
+        return study.ask(space)
+
+    first = ask(2)
+    assert not sweep._told_without_running(study, first, None)  # nothing calibrated yet: it runs
+    small = predictor.signature(first.params)
+    report = {"status": "ok", "tokens_per_s": 100.0, "worst_case_peak_gib": 1.0, "limit_gib": 1.5, "calibration": path}
+    sweep.budget_gib = 2.0
+    sweep._tell(study, first, TrialResult(report, None, 3.0), None)
+    assert predictor.calibrations[small][1] == first.number
+
+    big_gib = predictor.predicted_gib({"trainer.batch_size": 512, "memory.gradient_checkpointing": False})[0]
+    small_gib = predictor.predicted_gib(first.params)[0]
+    assert big_gib > 4 * small_gib  # 256 times the rows, on top of the process itself
+    sweep.budget_gib = big_gib / 1.5  # the big one is over budget by more than the 10% margin
+    big = ask(512)
+    assert sweep._told_without_running(study, big, None)
+    told = study.trials[big.number]
+    assert told.user_attrs["status"] == "predicted_infeasible" and told.user_attrs["predicted"] is True
+    assert told.user_attrs["not_run"] and told.user_attrs["gpu_seconds"] == 0.0
+    assert told.user_attrs["calibration_from"] == first.number and "safety margin" in told.user_attrs["reason"]
+    limit = sweep.budget_gib - cfg.budget.margin_gib
+    assert told.constraints["memory_gib"] == pytest.approx(big_gib - limit) and told.constraints["memory_gib"] > 0
+
+    # over budget, but within the margin: left to the measurement
+    assert predictor.over_budget(big.params, big_gib / 1.05) is None
+    # another policy (checkpointing) has no calibration of its own: it runs
+    assert not sweep._told_without_running(study, ask(512, checkpointing=True), None)
