@@ -5,13 +5,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -146,3 +148,61 @@ def readme_budget_sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedPro
     done = run_train_py(*sweep, f"output_dir={out}", f"hydra.sweeper.preset_dir={out}/presets/preset")
     assert done.returncode == 0, done.stderr[-3000:]
     return out, done
+
+
+def _postgres_bin() -> Path | None:
+    """Debian's PostgreSQL server binaries (package postgresql), or None."""
+    found = shutil.which("initdb")
+    if found:
+        return Path(found).resolve().parent
+    versions = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
+    return versions[-1].parent if versions else None
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[Callable[[str], str]]:
+    """A real PostgreSQL server on 127.0.0.1 in a temporary directory, for the test session; yields a function
+    that creates a fresh database and returns its SQLAlchemy URL. Skips, saying why, where it cannot start."""
+    bindir = _postgres_bin()
+    if bindir is None:
+        pytest.skip("PostgreSQL is not installed (Debian: apt-get install postgresql; .ci/run installs it)")
+    try:
+        import psycopg2
+    except ImportError:
+        pytest.skip("psycopg2 is not installed (pip install -e '.[test]')")
+    # not under pytest's tmp dir: it is private to root, and the server runs as the postgres user
+    root = Path(tempfile.mkdtemp(prefix="memfit-postgres-"))
+    as_user: list[str] = []
+    if os.geteuid() == 0:  # the server refuses to run as root: run it as Debian's postgres user
+        shutil.chown(root, "postgres")
+        as_user = ["runuser", "-u", "postgres", "--"]
+    port = free_port()
+    data = root / "data"
+    subprocess.run(
+        [*as_user, str(bindir / "initdb"), "-D", str(data), "-U", "memfit", "--auth=trust", "-E", "UTF8"],
+        check=True,
+        capture_output=True,
+    )
+    options = f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c max_connections=200"
+    started = subprocess.run(
+        [*as_user, str(bindir / "pg_ctl"), "-D", str(data), "-o", options, "-l", str(root / "log"), "-w", "start"],
+        capture_output=True,
+        text=True,
+    )
+    if started.returncode != 0:
+        pytest.skip(f"PostgreSQL did not start: {started.stderr.strip()[-300:]}")
+    names = iter(range(10**6))
+
+    def database(prefix: str) -> str:
+        name = f"{prefix}_{next(names)}"
+        connection = psycopg2.connect(host="127.0.0.1", port=port, user="memfit", dbname="postgres")
+        connection.autocommit = True
+        connection.cursor().execute(f"CREATE DATABASE {name}")
+        connection.close()
+        return f"postgresql+psycopg2://memfit@127.0.0.1:{port}/{name}"
+
+    try:
+        yield database
+    finally:
+        subprocess.run([*as_user, str(bindir / "pg_ctl"), "-D", str(data), "-m", "fast", "stop"], capture_output=True)
+        shutil.rmtree(root, ignore_errors=True)

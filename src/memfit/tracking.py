@@ -98,14 +98,26 @@ class MlflowTracker:
             self.client.update_run(run_id, status="RUNNING", name=run_name)
             self.set_tags(tags)
         else:
-            found = self.client.get_experiment_by_name(experiment)
-            experiment_id = (
-                found.experiment_id if found else self.client.create_experiment(experiment, artifact_location)
-            )
+            experiment_id = self._experiment_id(experiment, artifact_location)
             self.run_id = self.client.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id
         self._buffer: list[Any] = []
         self._last_flush = time.monotonic()
         log.info("MLflow run %s (%s) in %s", run_name, self.run_id, mask_credentials(uri))
+
+    def _experiment_id(self, experiment: str, artifact_location: str | None) -> str:
+        """The experiment's id, creating it if needed; several sweep workers may create it at the same moment."""
+        from mlflow.exceptions import MlflowException
+
+        found = self.client.get_experiment_by_name(experiment)
+        if found:
+            return found.experiment_id
+        try:
+            return self.client.create_experiment(experiment, artifact_location)
+        except MlflowException as err:  # another process created it first
+            found = self.client.get_experiment_by_name(experiment)
+            if found is None:
+                raise err from None
+            return found.experiment_id
 
     def log_params(self, params: dict[str, Any]) -> None:
         """Params are write-once in MLflow: a continued run keeps the values it started with, and notes in the tag
@@ -185,6 +197,23 @@ def open_run(cfg: DictConfig, run_name: str, tags: dict[str, str], run_id: str |
     return MlflowTracker(
         uri, cfg.tracking.experiment, run_name, tags, artifact_location(uri, cfg.output_dir), run_id=run_id
     )
+
+
+def open_shared_run(cfg: DictConfig, run_name: str, tags: dict[str, str], key: str) -> MlflowTracker:
+    """One run per value of tags[key], even when several processes (sweep workers) open it at the same moment:
+    each creates its own, then every one keeps the earliest of the last ten minutes and deletes its own."""
+    mine = open_run(cfg, run_name, tags)
+    client = mine.client
+    info = client.get_run(mine.run_id).info
+    runs = client.search_runs(
+        [info.experiment_id],
+        filter_string=f"tags.`{key}` = '{tags[key]}' and attributes.start_time >= {info.start_time - 600_000}",
+    )
+    first = min(runs, key=lambda r: (r.info.start_time, r.info.run_id), default=None)
+    if first is None or first.info.run_id == mine.run_id:
+        return mine
+    client.delete_run(mine.run_id)
+    return open_run(cfg, run_name, tags, run_id=first.info.run_id)
 
 
 def start_tracking(

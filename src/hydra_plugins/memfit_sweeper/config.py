@@ -24,6 +24,10 @@ class MemfitSweeperConf:
     effective_batch: int | None = None  # hold batch × accumulation: accumulation = ceil(effective_batch / batch)
     isolation: str = "process"  # process: a fresh python process per trial | none: trials in the sweeper's process
     trial_timeout_s: float | None = None  # process isolation: a trial still running after this is killed, FAIL
+    # several workers on one study (a shared storage): a trial whose worker stops beating for 3 × heartbeat_s is
+    # failed and queued again by the others; workers with nothing left to ask poll every poll_s. null: no heartbeat
+    heartbeat_s: float | None = 30
+    poll_s: float = 5
     budgets: list[float] | None = None  # a budget ladder: one study per budget, smallest first, measurements reused
     preset_dir: str = "sweeps/preset"  # where the best feasible configuration is exported (relative to launch dir)
     params: dict[str, str] = field(default_factory=dict)  # search space in Hydra override syntax

@@ -14,6 +14,8 @@ import logging
 import math
 import os
 import socket
+import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -128,13 +130,7 @@ class BudgetSweep:
         try:
             if storage.startswith("sqlite:///"):
                 Path(storage.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-            study = optuna.create_study(
-                study_name=name,
-                storage=storage,
-                sampler=make_sampler(s.sampler, s.seed, s.n_trials, s.n_jobs),
-                directions=directions(self.objectives),
-                load_if_exists=True,
-            )
+            study = self._open_study(name, storage)
         except ValueError as err:  # an existing study with other directions
             raise SweepConfigError(
                 f"hydra.sweeper.study_name={name}: {err}; use a new study_name for a different objective"
@@ -148,11 +144,79 @@ class BudgetSweep:
         log.info("study %s in %s: %d trials so far", name, mask_credentials(storage), len(study.trials))
         return study
 
+    def _open_study(self, name: str, storage: str, attempts: int = 4) -> Any:
+        """Create or load the study. Workers that start together on a fresh database race to create Optuna's
+        tables (PostgreSQL: duplicate key in pg_type); the losers find them made on the next attempt."""
+        import optuna
+
+        s = self.settings
+        for attempt in range(attempts):
+            try:
+                return optuna.create_study(
+                    study_name=name,
+                    storage=self._storage(storage),
+                    sampler=make_sampler(s.sampler, self._worker_seed(storage), s.n_trials, s.n_jobs),
+                    directions=directions(self.objectives),
+                    load_if_exists=True,
+                )
+            except ValueError:
+                raise
+            except Exception as err:  # noqa: BLE001 - the last attempt's error goes to the caller
+                if attempt == attempts - 1 or not any(
+                    word in str(err).lower() for word in ("duplicate", "already exists", "unique")
+                ):
+                    raise
+                time.sleep(0.5 + attempt)
+        raise AssertionError("unreachable")
+
+    def _worker_seed(self, storage: str) -> int | None:
+        """The sampler's seed. On a storage the user named (shared by workers, possibly), each worker mixes in its
+        host and process id: workers seeded alike would propose the same configurations. The default sqlite
+        study, one worker's, stays reproducible."""
+        seed = self.settings.seed
+        if seed is None or not self.settings.storage:
+            return seed
+        import zlib
+
+        return zlib.crc32(f"{seed}:{HOST}:{os.getpid()}".encode())
+
+    def _storage(self, url: str) -> Any:
+        """The study's storage. With a heartbeat, a trial whose worker dies (a killed process, a lost machine) is
+        failed by any other worker once its heartbeat is `grace` seconds old, and its configuration queued again."""
+        heartbeat = self.settings.heartbeat_s
+        if not heartbeat:
+            return url
+        from optuna.storages import RDBStorage
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "experimental feature": heartbeats are Optuna's own pattern since 2.x
+            return RDBStorage(
+                url,
+                heartbeat_interval=max(1, int(heartbeat)),
+                grace_period=max(3, int(3 * heartbeat)),
+                heartbeat_stale_trial_callback=self._stale_trial,
+            )
+
+    def _stale_trial(self, study: Any, frozen: Any) -> None:
+        """Optuna failed a trial whose worker stopped beating: close its MLflow run and queue it again (once)."""
+        reason = (
+            f"killed: its worker stopped (no heartbeat for {3 * self.settings.heartbeat_s:g} s); "
+            "its configuration is queued again"
+        )
+        log.warning("trial %d: %s", frozen.number, reason)
+        run_id = frozen.user_attrs.get("run_id")
+        if run_id and self.config.tracking.backend != "none":
+            from memfit.tracking import open_run
+
+            open_run(self.config, f"trial-{frozen.number}", {}, run_id=run_id).finish("KILLED", reason)
+        if not frozen.user_attrs.get("retry_of"):
+            study.enqueue_trial(frozen.params, user_attrs={"retry_of": frozen.number, "retry_reason": reason})
+
     def _parent_run(self, study: Any) -> Any:
         cfg = self.config
         if cfg.tracking.backend == "none":
             return None
-        from memfit.tracking import open_run
+        from memfit.tracking import open_run, open_shared_run
 
         tags = {
             "memfit.sweep": study.study_name,
@@ -164,7 +228,10 @@ class BudgetSweep:
         if self.ladder_run is not None:
             tags["mlflow.parentRunId"] = self.ladder_run.run_id
         earlier = study.user_attrs.get("mlflow_parent_run_id")  # a resumed study continues its parent run
-        parent = open_run(cfg, f"sweep-{study.study_name}", tags, run_id=earlier)
+        if earlier:
+            return open_run(cfg, f"sweep-{study.study_name}", tags, run_id=earlier)
+        # workers starting together on a new study agree on one parent run
+        parent = open_shared_run(cfg, f"sweep-{study.study_name}", tags, key="memfit.sweep")
         study.set_user_attr("mlflow_parent_run_id", parent.run_id)
         return parent
 
@@ -292,7 +359,9 @@ class BudgetSweep:
             if trial.state.is_finished() and trial.user_attrs.get("calibration"):
                 self.predictor.learn(trial.params, trial.user_attrs["calibration"], trial.number)
 
-    def _known_outcome(self, study: Any, params: dict[str, Any]) -> tuple[dict, list | None, dict] | None:
+    def _known_outcome(
+        self, study: Any, params: dict[str, Any], number: int = -1
+    ) -> tuple[dict, list | None, dict] | None:
         """(user attrs, values, constraints) of a configuration whose outcome is known without running it: one an
         earlier trial measured, one that certainly cannot fit (it dominates a measured infeasible trial), or one
         whose label length keeps less than the coverage floor (from the data alone), or one the memory model predicts
@@ -300,6 +369,11 @@ class BudgetSweep:
         import optuna
 
         finished = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+        running = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+        measuring = [t for t in running if self._counts_as_run(t) and t.params == params and t.number != number]
+        if measuring:
+            reason = f"not run: trial {measuring[0].number} (another worker) is measuring this configuration now"
+            return {"status": "surplus", "reason": reason}, None, {}
         if (source := repeat_of(params, finished)) is not None:
             reason = f"not run: the same configuration as trial {source.number}, whose measurement it repeats"
             if source.user_attrs.get("reason"):
@@ -328,7 +402,7 @@ class BudgetSweep:
 
     def _told_without_running(self, study: Any, trial: Any, parent: Any) -> bool:
         """Tell a trial whose outcome is already known (see _known_outcome) instead of launching it."""
-        known = self._known_outcome(study, trial.params)
+        known = self._known_outcome(study, trial.params, trial.number)
         if known is None:
             return False
         attrs, values, constraints = known
@@ -337,6 +411,12 @@ class BudgetSweep:
             trial.set_user_attr(key, value)
         for key, value in constraints.items():
             trial.set_constraint(key, value)
+        if attrs["status"] == "surplus":  # another worker measures it: nothing to tell the sampler, no MLflow run
+            import optuna
+
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            log.info("trial %d not run: %s", trial.number, attrs["reason"].removeprefix("not run: "))
+            return True
         child = self._child_run(parent, trial)  # before tell: a finished trial takes no more attributes
         study.tell(trial, values or [0.0 if d == "maximize" else 1e9 for d in directions(self.objectives)])
         if child is not None:
@@ -347,16 +427,58 @@ class BudgetSweep:
         log.info("trial %d not run: %s", trial.number, attrs["reason"].removeprefix("not run: "))
         return True
 
+    @staticmethod
+    def _counts_as_run(trial: Any) -> bool:
+        """A trial that ran, runs, or ran and died: not bookkeeping (told without running, carried over from a
+        smaller budget of the ladder, or over n_trials)."""
+        return "reused_from" not in trial.user_attrs and "not_run" not in trial.user_attrs
+
     def _new_trials_done(self, study: Any) -> int:
-        """Trials this study ran: configurations told without running (known, screened, carried over from a
-        smaller budget of the ladder) are bookkeeping, not part of n_trials."""
-        return len(
-            [
-                t
-                for t in study.trials
-                if t.state.is_finished() and "reused_from" not in t.user_attrs and "not_run" not in t.user_attrs
-            ]
-        )
+        """Trials this study ran to the end (every worker's): n_trials counts these."""
+        return len([t for t in study.trials if t.state.is_finished() and self._counts_as_run(t)])
+
+    def _running(self, study: Any) -> int:
+        import optuna
+
+        running = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+        return len([t for t in running if self._counts_as_run(t)])
+
+    def _over_quota(self, study: Any, trial: Any) -> bool:
+        """Trials are numbered in the order the storage created them: a trial with n_trials run (or running) trials
+        before it is one too many, asked by one of several workers at the same moment."""
+        import optuna
+
+        states = (optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)
+        earlier = [
+            t
+            for t in study.get_trials(deepcopy=False, states=states)
+            if t.number < trial.number and self._counts_as_run(t)
+        ]
+        return len(earlier) >= self.settings.n_trials
+
+    def _tell_surplus(self, study: Any, trial: Any) -> None:
+        import optuna
+
+        trial.set_user_attr("not_run", True)
+        trial.set_user_attr("status", "surplus")
+        trial.set_user_attr("reason", "not run: other workers had already taken the study's n_trials")
+        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+
+    def _fail_stale(self, study: Any) -> None:
+        """Fail other workers' trials whose heartbeat stopped (their configurations are queued again)."""
+        if self.settings.heartbeat_s:
+            from optuna.storages import fail_stale_trials
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # experimental API warning
+                fail_stale_trials(study)
+
+    def _ask(self, study: Any, space: dict[str, Any]) -> Any:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Optuna: "heartbeat is supposed to be used with Study.optimize"
+            trial = study.ask(space)
+        trial.storage.set_trial_system_attr(trial._trial_id, "memfit:owner", [HOST, os.getpid()])
+        return trial
 
     def _run_study(self, space: dict[str, Any], fixed: list[str], earlier: list[Any]) -> dict[str, Any] | None:
         study = self._study()
@@ -384,16 +506,28 @@ class BudgetSweep:
         return best
 
     def _run_trials(self, study: Any, space: dict[str, Any], fixed: list[str], parent: Any, show: Any) -> None:
-        """Ask, run and tell until the study has run n_trials trials, or until the sampler only proposes
-        configurations whose outcome is known (it has converged, or the space is exhausted)."""
-        patience, told_in_a_row = max(10, self.settings.n_trials), 0
-        while (done := self._new_trials_done(study)) < self.settings.n_trials:
+        """Ask, run and tell until the study (with every worker sharing it) has run n_trials trials, or until the
+        sampler only proposes configurations whose outcome is known (it has converged, or the space is
+        exhausted). While the rest are other workers' running trials, wait: one whose worker dies is queued again."""
+        n_trials = self.settings.n_trials
+        patience, told_in_a_row = max(10, n_trials), 0
+        while True:
+            self._fail_stale(study)
+            done = self._new_trials_done(study)
             show(completed=done, note=_best_text(study, self.objectives))
-            count = min(self.settings.n_jobs, self.settings.n_trials - done)
-            trials = [study.ask(space) for _ in range(count)]
-            for trial in trials:
-                trial.storage.set_trial_system_attr(trial._trial_id, "memfit:owner", [HOST, os.getpid()])
-            trials = [t for t in trials if not self._told_without_running(study, t, parent)]
+            if done >= n_trials:
+                break
+            running = self._running(study) if self.settings.heartbeat_s else 0
+            if done + running >= n_trials:
+                time.sleep(self.settings.poll_s)
+                continue
+            count = min(self.settings.n_jobs, n_trials - done - running)
+            trials = []
+            for trial in [self._ask(study, space) for _ in range(count)]:
+                if self._over_quota(study, trial):
+                    self._tell_surplus(study, trial)
+                elif not self._told_without_running(study, trial, parent):
+                    trials.append(trial)
             told_in_a_row = 0 if trials else told_in_a_row + count
             if told_in_a_row >= patience:
                 log.info(
@@ -402,15 +536,27 @@ class BudgetSweep:
                     told_in_a_row,
                 )
                 break
-            if not trials:
-                continue
-            children = [self._child_run(parent, t) for t in trials]
-            batch = [self._trial_overrides(t, fixed, parent) for t in trials]
-            results = self.trials.launch(batch, self.job_idx)
-            self.job_idx += len(results)
-            for trial, result, child in zip(trials, results, children, strict=True):
-                self._tell(study, trial, result, child)
+            if trials:
+                self._launch_and_tell(study, trials, fixed, parent)
         show(completed=self._new_trials_done(study), note=_best_text(study, self.objectives))
+
+    def _launch_and_tell(self, study: Any, trials: list[Any], fixed: list[str], parent: Any) -> None:
+        """Run trials (their heartbeats beating meanwhile) and tell each its outcome."""
+        from optuna.storages._heartbeat import get_heartbeat_thread
+
+        children = [self._child_run(parent, t) for t in trials]
+        batch = [self._trial_overrides(t, fixed, parent) for t in trials]
+        beats = [get_heartbeat_thread(t._trial_id, t.storage) for t in trials]
+        for beat in beats:
+            beat.start()
+        try:
+            results = self.trials.launch(batch, self.job_idx)
+        finally:
+            for beat in beats:
+                beat.join()
+        self.job_idx += len(results)
+        for trial, result, child in zip(trials, results, children, strict=True):
+            self._tell(study, trial, result, child)
 
     def sweep(self, arguments: list[str]) -> list[Any]:
         space, fixed = parse_search(arguments, dict(self.settings.params or {}))
