@@ -438,6 +438,10 @@ def test_a_budget_ladder_reuses_measurements_and_writes_one_preset_per_budget(tm
         ),
         (["hydra.sweeper.objective=speed"], "hydra.sweeper.objective=speed"),
         (
+            ["hydra.sweeper.devices=[0,1]", "hydra.sweeper.isolation=launcher"],
+            "hydra.sweeper.devices pins each trial's process to a GPU",
+        ),
+        (
             ["trainer.batch_size=choice(2,4)", "memory.max_label_length=8", "data.max_train_samples=48"],
             "memory.max_label_length=8 keeps",
         ),

@@ -1,5 +1,6 @@
-"""Several sweep workers on one study in a real PostgreSQL, logging to one real MLflow server: each trial runs once,
-none is lost, and a worker killed mid-trial leaves its trial failed while the others finish the study."""
+"""Sweeps that outgrow one process: several workers on one study in a real PostgreSQL, logging to one real MLflow
+server (each trial runs once, none is lost, a worker killed mid-trial leaves its trial failed while the others finish
+the study); one trial per GPU at a time; trials submitted through hydra-submitit-launcher."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import optuna
 import pytest
 from mlflow.tracking import MlflowClient
 
-from .conftest import ROOT, free_port, serving, train_py_env
+from .conftest import ROOT, free_port, readme_command, serving, train_py_env
 from .test_sweep import SMALL_SWEEP
 
 pytestmark = pytest.mark.slow
@@ -21,24 +22,44 @@ pytestmark = pytest.mark.slow
 STUDY = "shared"
 
 
-def _worker(index: int, n_trials: int, storage: str, tracking: str, tmp_path) -> list[str]:
-    """One worker's command: its own output directory (another machine, as far as it knows), the shared study
-    and tracking server."""
+def _worker(
+    index: int, n_trials: int, storage: str, tracking: str, tmp_path, base: list[str] | None = None
+) -> list[str]:
+    """One worker's command: `base` (the README's worker command, or a small sweep) on the shared study and
+    tracking server, with its own output directory (another machine, as far as it knows)."""
+    if base is None:
+        base = [
+            *SMALL_SWEEP,
+            f"hydra.sweeper.n_trials={n_trials}",
+            f"hydra.sweeper.storage={storage}",
+            f"hydra.sweeper.study_name={STUDY}",
+            "tracking=mlflow_server",
+            f"tracking.uri={tracking}",
+        ]
     return [
         sys.executable,
         str(ROOT / "train.py"),
-        *SMALL_SWEEP,
-        "hydra.sweeper.isolation=none",  # the workers are the processes here; trials run inside them
-        f"hydra.sweeper.n_trials={n_trials}",
-        f"hydra.sweeper.storage={storage}",
-        f"hydra.sweeper.study_name={STUDY}",
-        "hydra.sweeper.heartbeat_s=1",  # stale after 3 s, so the killed worker's trial is failed quickly
+        *base,
+        "hydra.sweeper.isolation=launcher",  # the workers are the processes here; trials run inside them
+        "hydra.sweeper.heartbeat_s=1",  # stale after 3 s, so a killed worker's trial is failed quickly
         "hydra.sweeper.poll_s=0.5",
-        "tracking=mlflow_server",
-        f"tracking.uri={tracking}",
         f"output_dir={tmp_path}/worker{index}",
         f"hydra.sweep.dir={tmp_path}/worker{index}/sweep",
         f"hydra.sweeper.preset_dir={tmp_path}/worker{index}/preset",
+    ]
+
+
+def _readme_worker(storage: str, tracking: str) -> list[str]:
+    """The README's worker command, its $STUDY_DB and $MLFLOW_URL pointing at this test's servers."""
+    command = readme_command("python train.py -m sweep=budget model=tiny_seq2seq budget.gib=null")
+    return [arg.replace("$STUDY_DB", storage).replace("$MLFLOW_URL", tracking) for arg in command[2:]]
+
+
+def _readme_mlflow_server(port: int, tmp_path) -> list[str]:
+    """The README's `mlflow server` command on a free port, its store in the test's directory."""
+    command = readme_command("mlflow server --host 127.0.0.1")
+    return [
+        str(port) if arg == "5000" else arg.replace("sqlite:///outputs/", f"sqlite:///{tmp_path}/") for arg in command
     ]
 
 
@@ -71,13 +92,12 @@ def _check_study_and_mlflow(storage: str, tracking: str, n_trials: int) -> list:
     return trials
 
 
-@pytest.mark.parametrize("workers", [2, 4])
-def test_workers_share_one_postgres_study_and_one_mlflow_server(postgres, tmp_path, workers):
-    storage, n_trials, port = postgres("workers"), 2 * workers, free_port()
-    store = f"sqlite:///{tmp_path}/mlflow-server.db"
-    command = ["mlflow", "server", "--backend-store-uri", store, "--host", "127.0.0.1", "--port", str(port)]
-    with serving(command, port, cwd=tmp_path) as tracking:
-        procs = [_start(_worker(i, n_trials, storage, tracking, tmp_path), tmp_path, i) for i in range(workers)]
+def test_four_workers_share_one_postgres_study_and_one_mlflow_server(postgres, tmp_path):
+    workers = 4  # two workers: the test below, where one of them is killed
+    storage, n_trials, port = postgres("workers"), 6, free_port()  # n_trials as in the README's command
+    with serving(_readme_mlflow_server(port, tmp_path), port, cwd=tmp_path) as tracking:
+        base = _readme_worker(storage, tracking)
+        procs = [_start(_worker(i, n_trials, storage, tracking, tmp_path, base), tmp_path, i) for i in range(workers)]
         for index, proc in enumerate(procs):
             assert proc.wait(timeout=600) == 0, (tmp_path / f"worker{index}.log").read_text()[-3000:]
         trials = _check_study_and_mlflow(storage, tracking, n_trials)
@@ -93,6 +113,7 @@ def test_a_killed_worker_leaves_its_trial_failed_and_the_study_goes_on(postgres,
     with serving(command, port, cwd=tmp_path) as tracking:
         victim, survivor = (_start(_worker(i, n_trials, storage, tracking, tmp_path), tmp_path, i) for i in (0, 1))
         killed = _running_trial_of(victim, storage)
+        _wait_for_log(tmp_path / "worker1.log", "study shared in", survivor)  # the survivor is at work too
         os.kill(victim.pid, signal.SIGKILL)  # mid-trial: it can neither tell Optuna nor end its MLflow run
         victim.wait()
         assert survivor.wait(timeout=600) == 0, (tmp_path / "worker1.log").read_text()[-3000:]
@@ -119,8 +140,64 @@ def _running_trial_of(proc: subprocess.Popen, storage: str, timeout: float = 300
     raise AssertionError("the worker never started a trial")
 
 
+def _wait_for_log(path, text: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in path.read_text(errors="replace"):
+        assert proc.poll() is None and time.monotonic() < deadline, path.read_text()[-2000:]
+        time.sleep(0.2)
+
+
 def _study_trials(storage: str) -> list:
     try:
         return optuna.load_study(study_name=STUDY, storage=storage).trials
     except KeyError:  # not created yet
         return []
+
+
+def _sqlite_trials(tmp_path) -> list:
+    study = optuna.load_study(
+        study_name="memfit-tiny_seq2seq-aclsum-nobudget", storage=f"sqlite:///{tmp_path}/optuna.db"
+    )
+    return [t for t in study.trials if "not_run" not in t.user_attrs]
+
+
+def _sweep_args(tmp_path) -> list[str]:
+    return [
+        *SMALL_SWEEP,
+        "hydra.sweeper.n_trials=2",
+        f"output_dir={tmp_path}",
+        f"hydra.sweep.dir={tmp_path}/sweep",
+        f"hydra.sweeper.preset_dir={tmp_path}/preset",
+    ]
+
+
+def test_one_trial_per_device_at_a_time_each_pinned_to_its_device(tmp_path):
+    from memfit.tracking import default_tracking_uri
+
+    from .conftest import run_train_py
+
+    done = run_train_py(*_sweep_args(tmp_path), "hydra.sweeper.devices=[0,1]")
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, second = sorted(_sqlite_trials(tmp_path), key=lambda t: t.number)
+    assert {first.user_attrs["device"], second.user_attrs["device"]} == {"0", "1"}
+    # both devices busy at once: no batch waits for its slowest trial before the next starts
+    assert first.datetime_start < second.datetime_complete and second.datetime_start < first.datetime_complete
+    client = MlflowClient(default_tracking_uri(str(tmp_path)))
+    for trial in (first, second):
+        run = client.get_run(trial.user_attrs["run_id"])
+        assert run.data.tags["memfit.cuda_visible_devices"] == trial.user_attrs["device"]  # what the trial saw
+
+
+def test_trials_go_through_hydra_submitit_launcher(tmp_path):
+    """hydra/launcher=submitit_slurm on a cluster; here submitit's local executor, the same code path."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install -e '.[test]' (or '.[slurm]')")
+    from .conftest import run_train_py
+
+    launcher = ["hydra.sweeper.isolation=launcher", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=10"]
+    done = run_train_py(*_sweep_args(tmp_path), *launcher)
+    assert done.returncode == 0, done.stderr[-3000:]
+    trials = _sqlite_trials(tmp_path)
+    assert len(trials) == 2 and all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+    assert all(t.user_attrs["status"] == "ok" and t.values for t in trials)
+    jobs = [p for p in (tmp_path / "sweep" / ".submitit").iterdir() if p.name.isdigit()]
+    assert len(jobs) == 2 and all(list(job.glob("*_result.pkl")) for job in jobs)  # each trial a submitit job

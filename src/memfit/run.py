@@ -6,6 +6,7 @@ It returns a structured report (not a bare float), which is what a sweeper reads
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import tempfile
 import time
@@ -70,6 +71,7 @@ def run_tags(cfg: DictConfig, device: str, meter_label: str) -> dict[str, str]:
         "memfit.device": device,
         "memfit.meter": meter_label,
         "memfit.mode": "estimate_only" if cfg.estimate_only else "preflight_only" if cfg.preflight_only else "train",
+        "memfit.cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", "all"),
     }
 
 

@@ -22,11 +22,15 @@ class MemfitSweeperConf:
     # tell without running a configuration the memory model predicts over budget × (1 + margin); null: never
     predict_margin: float | None = 0.1
     effective_batch: int | None = None  # hold batch × accumulation: accumulation = ceil(effective_batch / batch)
-    isolation: str = "process"  # process: a fresh python process per trial | none: trials in the sweeper's process
+    # process: a fresh python process per trial | launcher: Hydra's configured launcher (the basic one runs trials in
+    # the sweeper's process; hydra/launcher=submitit_slurm submits them to Slurm); none: the same as launcher
+    isolation: str = "process"
     trial_timeout_s: float | None = None  # process isolation: a trial still running after this is killed, FAIL
     # several workers on one study (a shared storage): a trial whose worker stops beating for 3 × heartbeat_s is
     # failed and queued again by the others; workers with nothing left to ask poll every poll_s. null: no heartbeat
     heartbeat_s: float | None = 30
+    # one trial per GPU at a time, pinned with CUDA_VISIBLE_DEVICES (isolation=process): e.g. [0,1,2,3]
+    devices: list[str] | None = None
     poll_s: float = 5
     budgets: list[float] | None = None  # a budget ladder: one study per budget, smallest first, measurements reused
     preset_dir: str = "sweeps/preset"  # where the best feasible configuration is exported (relative to launch dir)

@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import socket
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -85,6 +86,7 @@ class BudgetSweep:
         self.predictor: Any = None  # the memory model's predictions, once a trial calibrated it (sweep.predict)
         self.screened = False  # the data is screened once per command, even where it does not apply (None)
         self.space: dict[str, Any] = {}
+        self.lock = threading.Lock()
 
     def setup(self, *, hydra_context: Any, task_function: Any, config: DictConfig) -> None:
         from hydra.core.plugins import Plugins
@@ -100,14 +102,19 @@ class BudgetSweep:
         if s.isolation == "process":
             sweep_dir = Path(config.hydra.sweep.dir)
             self.trials = ProcessTrials(app_argv(config), sweep_dir, s.trial_timeout_s, trial_env())
-        elif s.isolation == "none":
+        elif s.isolation in ("launcher", "none"):
             launcher = Plugins.instance().instantiate_launcher(
                 hydra_context=hydra_context, task_function=task_function, config=config
             )
             self.trials = InProcessTrials(launcher)
         else:
             raise SweepConfigError(
-                f"hydra.sweeper.isolation={s.isolation!r}: use process (fresh process per trial) or none"
+                f"hydra.sweeper.isolation={s.isolation!r}: use process (fresh process per trial) or launcher "
+                "(Hydra's configured launcher, e.g. hydra/launcher=submitit_slurm)"
+            )
+        if s.devices and s.isolation != "process":
+            raise SweepConfigError(
+                "hydra.sweeper.devices pins each trial's process to a GPU: it needs hydra.sweeper.isolation=process"
             )
 
     # --- study and its MLflow parent run ------------------------------------------------------------------------
@@ -155,7 +162,9 @@ class BudgetSweep:
                 return optuna.create_study(
                     study_name=name,
                     storage=self._storage(storage),
-                    sampler=make_sampler(s.sampler, self._worker_seed(storage), s.n_trials, s.n_jobs),
+                    sampler=make_sampler(
+                        s.sampler, self._worker_seed(storage), s.n_trials, max(s.n_jobs, len(s.devices or []))
+                    ),
                     directions=directions(self.objectives),
                     load_if_exists=True,
                 )
@@ -492,7 +501,10 @@ class BudgetSweep:
 
                 reuse_measurements(study, earlier, self._limit_gib(), self.objectives)
             with progress_bar(f"sweep {study.study_name}", self.settings.n_trials) as show:
-                self._run_trials(study, space, fixed, parent, show)
+                if self.settings.devices:
+                    self._run_on_devices(study, space, fixed, parent, show)
+                else:
+                    self._run_trials(study, space, fixed, parent, show, self.trials)
             best = summarise(study, self, parent)
             if parent is not None:
                 log_pareto_plot(study, self, parent)
@@ -505,7 +517,16 @@ class BudgetSweep:
         self.studies.append(study)
         return best
 
-    def _run_trials(self, study: Any, space: dict[str, Any], fixed: list[str], parent: Any, show: Any) -> None:
+    def _run_trials(
+        self,
+        study: Any,
+        space: dict[str, Any],
+        fixed: list[str],
+        parent: Any,
+        show: Any,
+        runner: Any,
+        device: str | None = None,
+    ) -> None:
         """Ask, run and tell until the study (with every worker sharing it) has run n_trials trials, or until the
         sampler only proposes configurations whose outcome is known (it has converged, or the space is
         exhausted). While the rest are other workers' running trials, wait: one whose worker dies is queued again."""
@@ -517,11 +538,11 @@ class BudgetSweep:
             show(completed=done, note=_best_text(study, self.objectives))
             if done >= n_trials:
                 break
-            running = self._running(study) if self.settings.heartbeat_s else 0
+            running = self._running(study) if (self.settings.heartbeat_s or self.settings.devices) else 0
             if done + running >= n_trials:
                 time.sleep(self.settings.poll_s)
                 continue
-            count = min(self.settings.n_jobs, n_trials - done - running)
+            count = 1 if device is not None else min(self.settings.n_jobs, n_trials - done - running)
             trials = []
             for trial in [self._ask(study, space) for _ in range(count)]:
                 if self._over_quota(study, trial):
@@ -537,24 +558,52 @@ class BudgetSweep:
                 )
                 break
             if trials:
-                self._launch_and_tell(study, trials, fixed, parent)
+                self._launch_and_tell(study, trials, fixed, parent, runner, device)
         show(completed=self._new_trials_done(study), note=_best_text(study, self.objectives))
 
-    def _launch_and_tell(self, study: Any, trials: list[Any], fixed: list[str], parent: Any) -> None:
+    def _run_on_devices(self, study: Any, space: dict[str, Any], fixed: list[str], parent: Any, show: Any) -> None:
+        """One trial per device at a time, each in a fresh process pinned with CUDA_VISIBLE_DEVICES. A thread per
+        device asks, runs and tells on the shared study like a worker of its own, so a device never waits for a
+        slower trial on another (no batches)."""
+        errors: list[BaseException] = []
+
+        def slot(device: str) -> None:
+            try:
+                self._run_trials(study, space, fixed, parent, show, self.trials.pinned(device), device)
+            except BaseException as err:  # noqa: BLE001 - re-raised in the sweeper's thread
+                errors.append(err)
+
+        threads = [
+            threading.Thread(target=slot, args=(str(d),), name=f"memfit-device-{d}") for d in self.settings.devices
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+
+    def _launch_and_tell(
+        self, study: Any, trials: list[Any], fixed: list[str], parent: Any, runner: Any, device: str | None
+    ) -> None:
         """Run trials (their heartbeats beating meanwhile) and tell each its outcome."""
         from optuna.storages._heartbeat import get_heartbeat_thread
 
+        if device is not None:
+            for trial in trials:
+                trial.set_user_attr("device", device)
         children = [self._child_run(parent, t) for t in trials]
         batch = [self._trial_overrides(t, fixed, parent) for t in trials]
         beats = [get_heartbeat_thread(t._trial_id, t.storage) for t in trials]
         for beat in beats:
             beat.start()
+        with self.lock:  # job directories are numbered across device threads
+            first_job, self.job_idx = self.job_idx, self.job_idx + len(batch)
         try:
-            results = self.trials.launch(batch, self.job_idx)
+            results = runner.launch(batch, first_job)
         finally:
             for beat in beats:
                 beat.join()
-        self.job_idx += len(results)
         for trial, result, child in zip(trials, results, children, strict=True):
             self._tell(study, trial, result, child)
 

@@ -59,6 +59,12 @@ class ProcessTrials:
     def __init__(self, app_argv: list[str], sweep_dir: Path, timeout_s: float | None, env: dict[str, str]):
         self.app_argv, self.sweep_dir, self.timeout_s, self.env = app_argv, sweep_dir, timeout_s, env
 
+    def pinned(self, device: str) -> ProcessTrials:
+        """The same trials, their processes seeing only GPU `device` (CUDA_VISIBLE_DEVICES)."""
+        return ProcessTrials(
+            self.app_argv, self.sweep_dir, self.timeout_s, {**self.env, "CUDA_VISIBLE_DEVICES": device}
+        )
+
     def launch(self, batch: list[list[str]], first_job: int, on_wait: Any = None) -> list[TrialResult]:
         started = []
         for offset, overrides in enumerate(batch):
@@ -98,7 +104,8 @@ class ProcessTrials:
 
 
 class InProcessTrials:
-    """Hydra's configured launcher (the basic one runs trials one after another in this process)."""
+    """Hydra's configured launcher (isolation=launcher): the basic one runs trials one after another in this
+    process; hydra-submitit-launcher submits each to Slurm (submitit_slurm) or to local processes (submitit_local)."""
 
     def __init__(self, launcher: Any):
         self.launcher = launcher
