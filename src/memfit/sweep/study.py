@@ -573,8 +573,10 @@ class BudgetSweep:
             except BaseException as err:  # noqa: BLE001 - re-raised in the sweeper's thread
                 errors.append(err)
 
+        # daemon threads: Ctrl-C ends the sweep, and the trial processes die with it (PR_SET_PDEATHSIG)
         threads = [
-            threading.Thread(target=slot, args=(str(d),), name=f"memfit-device-{d}") for d in self.settings.devices
+            threading.Thread(target=slot, args=(str(d),), name=f"memfit-device-{d}", daemon=True)
+            for d in self.settings.devices
         ]
         for thread in threads:
             thread.start()
