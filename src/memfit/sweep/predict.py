@@ -10,13 +10,13 @@ search space varies policy knobs, each combination is predicted only from a tria
 from __future__ import annotations
 
 import logging
-import math
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
 from memfit.sweep.screen import DataLengths
+from memfit.sweep.space import held_accumulation
 
 log = logging.getLogger("memfit.sweep")
 
@@ -34,12 +34,11 @@ class MemoryPredictor:
         self.calibrations: dict[tuple, tuple[Any, int]] = {}  # policy signature → (calibration, trial that made it)
 
     def _accumulation(self, params: dict[str, Any]) -> int:
+        """The accumulation the trial runs with: searched, held by the sweeper, or the config's."""
         if ACCUMULATION in params:
             return int(params[ACCUMULATION])
-        batch = int(params.get(BATCH, self.config.trainer.batch_size))
-        if self.effective_batch:
-            return math.ceil(self.effective_batch / batch)
-        return int(self.config.trainer.gradient_accumulation_steps)
+        held = held_accumulation(params, self.effective_batch, self.config.trainer.batch_size)
+        return held if held is not None else int(self.config.trainer.gradient_accumulation_steps)
 
     def signature(self, params: dict[str, Any]) -> tuple:
         """What must match for a calibration to apply: the searched knobs that are not shapes, and whether the step

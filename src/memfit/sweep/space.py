@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 
@@ -84,3 +85,12 @@ def repeat_of(params: dict[str, Any], finished: list[Any]) -> Any | None:
     """The finished trial that already measured exactly `params`, if any: samplers over choice() spaces propose
     a configuration again, and measuring it twice would only spend GPU time on noise."""
     return next((other for other in finished if other.params == params), None)
+
+
+def held_accumulation(params: dict[str, Any], effective_batch: int | None, batch: int | None = None) -> int | None:
+    """Gradient accumulation that holds the effective batch (ceil(effective / batch)) when the trial does not set
+    it itself; None where nothing is held (no effective batch, or accumulation is searched)."""
+    batch = params.get("trainer.batch_size", batch)
+    if not effective_batch or not batch or "trainer.gradient_accumulation_steps" in params:
+        return None
+    return math.ceil(effective_batch / int(batch))

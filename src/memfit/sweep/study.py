@@ -11,7 +11,6 @@ each budget starts from what the smaller ones measured.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import socket
 import threading
@@ -33,7 +32,7 @@ from memfit.sweep.outcome import (
 )
 from memfit.sweep.results import ladder_table, log_pareto_plot, summarise
 from memfit.sweep.screen import LABEL, coverage_screen, data_lengths
-from memfit.sweep.space import SweepConfigError, dominated_by, parse_search, repeat_of
+from memfit.sweep.space import SweepConfigError, dominated_by, held_accumulation, parse_search, repeat_of
 from memfit.sweep.trials import InProcessTrials, ProcessTrials, app_argv, pid_alive, trial_env
 
 log = logging.getLogger("memfit.sweep")
@@ -282,10 +281,8 @@ class BudgetSweep:
     # --- one trial ------------------------------------------------------------------------------------------------
     def _trial_overrides(self, trial: Any, fixed: list[str], parent: Any) -> list[str]:
         overrides = list(fixed) + [f"{k}={_value_text(v)}" for k, v in trial.params.items()]
-        effective = self.settings.effective_batch
-        batch = trial.params.get("trainer.batch_size")
-        if effective and batch and "trainer.gradient_accumulation_steps" not in trial.params:
-            overrides.append(f"trainer.gradient_accumulation_steps={math.ceil(effective / batch)}")
+        if (accumulation := held_accumulation(trial.params, self.settings.effective_batch)) is not None:
+            overrides.append(f"trainer.gradient_accumulation_steps={accumulation}")
         if self.settings.budgets:
             overrides.append(f"budget.gib={self.budget_gib:g}")
         overrides.append(f"tracking.run_name=trial-{trial.number}")
