@@ -35,6 +35,9 @@ def test_tiny_run_records_loss_beside_peak_memory(compose_cfg, tmp_path, model):
         history = client.get_metric_history(recorded.info.run_id, metric)
         assert [m.step for m in history] == [1, 2, 3], metric
         assert all(m.value > 0 for m in history), metric
+    retries = client.get_metric_history(recorded.info.run_id, "mem/alloc_retries")
+    assert [(m.step, m.value) for m in retries] == [(1, 0), (2, 0), (3, 0)]  # the host has no caching allocator
+    assert report.alloc_retries == 0
     summary = recorded.data.metrics
     assert summary["summary/peak_allocated_gib"] >= max(
         m.value for m in client.get_metric_history(recorded.info.run_id, "mem/peak_allocated_gib")
@@ -113,10 +116,22 @@ def test_throughput_leaves_the_first_steps_warm_up_out():
 
     callback = MemoryLoggingCallback(HostMeter(), NullTracker(), collator=None, max_train_tokens=None)
     assert callback.steady_tokens_per_s is None  # nothing trained yet: the run falls back to tokens / wall time
-    callback._windows = [(100, 10.0)]  # one window only: it is all warm-up, nothing steady to report
+    callback._windows = [(100, 10.0, 1)]  # one window only: it is all warm-up, nothing steady to report
     assert callback.steady_tokens_per_s is None
-    callback._windows += [(100, 1.0), (300, 1.0)]  # a slow first step (optimizer state, autotuning), then steady
+    callback._windows += [(100, 1.0, 1), (300, 1.0, 0)]  # a slow first step (optimizer state, autotuning), then steady
     assert callback.steady_tokens_per_s == 200.0
+
+
+def test_the_collator_counts_micro_batches_of_a_padded_shape_not_taken_before(compose_cfg):
+    from memfit.data import CountingCollator
+    from memfit.models import build_tokenizer
+
+    collator = CountingCollator(build_tokenizer(compose_cfg("model=tiny_seq2seq").model), pad_to_multiple_of=8)
+    sample = {"input_ids": [5] * 9, "attention_mask": [1] * 9, "labels": [6] * 3}
+    for batch in ([sample, sample], [sample, {**sample, "labels": [6] * 5}], [sample, {**sample, "labels": [6] * 9}]):
+        collator(batch)
+        collator.consume()
+    assert collator.new_shapes == 2  # labels 3 and 5 both pad to 8: one shape; labels 9 pad to 16: a second
 
 
 def test_a_killed_run_resumes_from_its_checkpoint_in_the_same_mlflow_run(tmp_path, monkeypatch):

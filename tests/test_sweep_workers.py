@@ -113,7 +113,9 @@ def test_a_killed_worker_leaves_its_trial_failed_and_the_study_goes_on(postgres,
     with serving(command, port, cwd=tmp_path) as tracking:
         victim, survivor = (_start(_worker(i, n_trials, storage, tracking, tmp_path), tmp_path, i) for i in (0, 1))
         killed = _running_trial_of(victim, storage)
-        _wait_for_log(tmp_path / "worker1.log", "study shared in", survivor)  # the survivor is at work too
+        # the survivor is past its start-up (where a same-host dead worker is recovered by its pid) and running a
+        # trial: the victim's trial can then only be found by the heartbeat, as on another machine
+        _running_trial_of(survivor, storage)
         os.kill(victim.pid, signal.SIGKILL)  # mid-trial: it can neither tell Optuna nor end its MLflow run
         victim.wait()
         assert survivor.wait(timeout=600) == 0, (tmp_path / "worker1.log").read_text()[-3000:]
@@ -138,13 +140,6 @@ def _running_trial_of(proc: subprocess.Popen, storage: str, timeout: float = 300
                 return trial
         time.sleep(0.2)
     raise AssertionError("the worker never started a trial")
-
-
-def _wait_for_log(path, text: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while text not in path.read_text(errors="replace"):
-        assert proc.poll() is None and time.monotonic() < deadline, path.read_text()[-2000:]
-        time.sleep(0.2)
 
 
 def _study_trials(storage: str) -> list:
@@ -172,6 +167,7 @@ def _sweep_args(tmp_path) -> list[str]:
 
 
 def test_one_trial_per_device_at_a_time_each_pinned_to_its_device(tmp_path):
+    from memfit.sweep.trials import cpu_share
     from memfit.tracking import default_tracking_uri
 
     from .conftest import run_train_py
@@ -186,6 +182,7 @@ def test_one_trial_per_device_at_a_time_each_pinned_to_its_device(tmp_path):
     for trial in (first, second):
         run = client.get_run(trial.user_attrs["run_id"])
         assert run.data.tags["memfit.cuda_visible_devices"] == trial.user_attrs["device"]  # what the trial saw
+        assert run.data.tags["memfit.cpu_threads"] == str(cpu_share(2))  # two trials share the host's cores
 
 
 def test_trials_go_through_hydra_submitit_launcher(tmp_path):

@@ -380,6 +380,8 @@ class CountingCollator:
         self.tokens = 0  # real tokens of the batches training has taken (see consume)
         self.counting = True  # off while Trainer evaluates: eval batches go through the same collator
         self.last_shape: dict[str, tuple[int, ...]] = {}  # the batch training took last: what an OOM hit
+        self.seen_shapes: set[tuple] = set()  # padded shapes training has taken: a first sight costs warm-up
+        self.new_shapes = 0  # micro-batches whose padded shape training had not taken before
         # Collated but not yet trained on: the dataloader runs one batch ahead of training (accelerate looks ahead
         # for the end of the data), so counting at collation would count a batch that training never took.
         self._pending: collections.deque = collections.deque()
@@ -407,3 +409,7 @@ class CountingCollator:
         if self._pending:
             tokens, self.last_shape = self._pending.popleft()
             self.tokens += tokens
+            shape = tuple(sorted(self.last_shape.items()))
+            if shape not in self.seen_shapes:
+                self.seen_shapes.add(shape)
+                self.new_shapes += 1

@@ -54,6 +54,11 @@ class CudaMeter:
     def current_bytes(self) -> int:
         return self.torch.cuda.memory_allocated(self.device)
 
+    def alloc_retries(self) -> int:
+        """How often the caching allocator had to free its cache (a device sync) and retry to stay under the cap:
+        a step near the budget runs, but slower; counted since the process started."""
+        return int(self.torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
+
     def total_bytes(self) -> int:
         return self.torch.cuda.get_device_properties(self.device).total_memory
 
@@ -101,6 +106,9 @@ class HostMeter:
 
     def current_bytes(self) -> int:
         return self._read_kib("VmRSS") * 1024 if self._status.exists() else 0
+
+    def alloc_retries(self) -> int:
+        return 0  # the host has no caching allocator to retry
 
     def total_bytes(self) -> int:
         import psutil

@@ -46,6 +46,7 @@ class RunReport:
     meter: str | None = None
     predicted_peak_gib: float | None = None  # the memory model's prediction (reserved) for the worst batch
     calibration: str | None = None  # the memory model's calibration file, for the sweeper's predictions
+    alloc_retries: int | None = None  # times training's allocator freed its cache to stay under the cap (slow steps)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -72,6 +73,7 @@ def run_tags(cfg: DictConfig, device: str, meter_label: str) -> dict[str, str]:
         "memfit.meter": meter_label,
         "memfit.mode": "estimate_only" if cfg.estimate_only else "preflight_only" if cfg.preflight_only else "train",
         "memfit.cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", "all"),
+        "memfit.cpu_threads": os.environ.get("OMP_NUM_THREADS", "all"),
     }
 
 
@@ -323,7 +325,14 @@ def _train(cfg: DictConfig, ctx: dict[str, Any]) -> RunReport:
         "summary/wall_s": totals.wall_s,
         "summary/tokens_per_s": tokens_per_s,  # after the first step's warm-up
         "summary/tokens_per_s_with_warmup": with_warmup,
+        "summary/alloc_retries": ctx["callback"].alloc_retries,
     }
+    if ctx["callback"].alloc_retries:
+        log.warning(
+            "the CUDA allocator freed its cache %d times during training to stay under the cap: every step fitted, "
+            "but those steps waited for the device (tokens/s is lower than with headroom)",
+            ctx["callback"].alloc_retries,
+        )
     if totals.final_loss is not None:
         summary["summary/final_loss"] = totals.final_loss
     if totals.eval_loss is not None:
@@ -339,6 +348,7 @@ def _train(cfg: DictConfig, ctx: dict[str, Any]) -> RunReport:
         eval_loss=totals.eval_loss,
         train_tokens=totals.tokens,
         steps=totals.steps,
+        alloc_retries=ctx["callback"].alloc_retries,
     )
 
 

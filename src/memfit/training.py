@@ -57,19 +57,31 @@ class MemoryLoggingCallback:
         self.max_train_tokens = max_train_tokens
         self._last_time = 0.0
         self._last_tokens = 0
-        self._windows: list[tuple[int, float]] = []  # (tokens, seconds) between a train log and the log before it
+        # (tokens, seconds, micro-batches of a new padded shape) between a train log and the log before it
+        self._windows: list[tuple[int, float, int]] = []
+        self._last_new_shapes = 0
+        self._retries_before = 0
 
     @property
     def steady_tokens_per_s(self) -> float | None:
-        """Tokens/s after the first logged window: the first steps build optimizer state, autotune kernels and grow
-        the allocator, which a short timed segment (a sweep trial's) would otherwise count as slowness."""
+        """Tokens/s after the first logged window: the first step builds optimizer state and grows the allocator,
+        which a short timed segment (a sweep trial's) would otherwise count as slowness. Later windows that met a
+        new padded shape (`train/new_shapes`) stay in: leaving them out did not bring 5- or 10-step estimates
+        closer to a long run's throughput on the H200 (benchmarks/README.md, trial_throughput_gpu.py)."""
         steady = self._windows[1:]
-        seconds = sum(s for _, s in steady)
-        return sum(t for t, _ in steady) / seconds if steady and seconds > 0 else None
+        seconds = sum(w[1] for w in steady)
+        return sum(w[0] for w in steady) / seconds if steady and seconds > 0 else None
+
+    @property
+    def alloc_retries(self) -> int:
+        """Allocator retries since training began (the preflight's probes near the cap are not counted)."""
+        return self.meter.alloc_retries() - self._retries_before
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._retries_before = self.meter.alloc_retries()
         self.meter.reset_window()
         self._last_time, self._last_tokens = time.perf_counter(), self.collator.tokens
+        self._last_new_shapes = self.collator.new_shapes
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.tracker.flush()  # a checkpoint's steps are in MLflow: a resumed run's history has no gap
@@ -88,11 +100,15 @@ class MemoryLoggingCallback:
         prefix = "mem/eval_" if any(k.startswith("eval_") for k in logs) else "mem/"
         metrics[prefix + "peak_allocated_gib"] = peak.allocated_gib
         metrics[prefix + "peak_reserved_gib"] = peak.reserved_gib
-        now, tokens = time.perf_counter(), self.collator.tokens
+        metrics[prefix + "alloc_retries"] = self.alloc_retries  # cumulative since training began
+        now, tokens, new_shapes = time.perf_counter(), self.collator.tokens, self.collator.new_shapes
         if "loss" in logs and now > self._last_time:
-            metrics["train/tokens_per_s"] = (tokens - self._last_tokens) / (now - self._last_time)
-            self._windows.append((tokens - self._last_tokens, now - self._last_time))
-        self._last_time, self._last_tokens = now, tokens
+            window = (tokens - self._last_tokens, now - self._last_time, new_shapes - self._last_new_shapes)
+            metrics["train/tokens_per_s"] = window[0] / window[1]
+            metrics["train/window_s"] = window[1]  # wall seconds since the last log (one step at logging_steps=1)
+            metrics["train/new_shapes"] = window[2]  # > 0: this window paid a new shape's warm-up
+            self._windows.append(window)
+        self._last_time, self._last_tokens, self._last_new_shapes = now, tokens, new_shapes
         self.tracker.log_metrics(metrics, step=state.global_step)
         loss = metrics.get("train/loss", metrics.get("eval/loss"))
         if loss is not None and not math.isfinite(loss):

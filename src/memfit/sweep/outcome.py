@@ -38,6 +38,7 @@ ATTRS = (
     "max_batch",
     "predicted_peak_gib",  # the memory model's prediction for the worst batch, beside the measured peak
     "calibration",  # the memory model's calibration file: later trials are predicted from it
+    "alloc_retries",  # > 0: the segment ran against the cap, its tokens/s includes the allocator's waits
 )
 
 

