@@ -16,11 +16,16 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import pytest
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
+# Under pytest-xdist's workers (pyproject's addopts), each worker's processes, trials included, get their share of the
+# cores: torch otherwise starts one OpenMP thread per core in every process, and oversubscribed threads spin.
+if (_workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))) > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _workers)))
 
-from memfit.config import register_configs
+import pytest  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+from hydra.core.global_hydra import GlobalHydra  # noqa: E402
+
+from memfit.config import register_configs  # noqa: E402
 
 # Before huggingface_hub is imported anywhere: it reads offline mode once, at import. Nothing here downloads.
 os.environ["HF_HUB_OFFLINE"] = "1"

@@ -11,7 +11,11 @@ from mlflow.tracking import MlflowClient
 from memfit.run import run
 from memfit.tracking import default_tracking_uri
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.xdist_group("gpu"),  # one device: GPU tests run one after another
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 GPU_RUN = [
     "model=tiny_seq2seq",

@@ -109,6 +109,7 @@ def _png_size(path: Path) -> tuple[int, int]:
     return width, height
 
 
+@pytest.mark.xdist_group("readme_budget_sweep")
 def test_the_runs_table_shows_every_trial_with_loss_and_peak_and_the_pareto_plot_loads(
     readme_budget_sweep, browser, tmp_path
 ):

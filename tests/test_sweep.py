@@ -54,6 +54,7 @@ def test_the_sweeper_plugin_is_discovered():
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("readme_budget_sweep")
 def test_the_readme_budget_sweep_finds_and_exports_a_preset(readme_budget_sweep, tmp_path):
     swept, first = readme_budget_sweep
     name, storage = "memfit-tiny_seq2seq-aclsum-1.6GiB", f"sqlite:///{swept}/optuna.db"
