@@ -4,13 +4,13 @@ the Pareto plot on the parent MLflow run, and for a ladder one summary table ove
 from __future__ import annotations
 
 import logging
-import math
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
 from memfit.sweep.outcome import constraint_dict, directions, is_feasible
+from memfit.sweep.space import held_accumulation
 
 log = logging.getLogger("memfit.sweep")
 
@@ -156,9 +156,8 @@ def export_preset(study: Any, best: Any, sweep: Any) -> Path:
     cfg = sweep.config
     settings, groups = preset_settings(sweep.fixed)
     settings.update(best.params)
-    effective = sweep.settings.effective_batch
-    if effective and "trainer.batch_size" in settings and "trainer.gradient_accumulation_steps" not in settings:
-        settings["trainer.gradient_accumulation_steps"] = math.ceil(effective / settings["trainer.batch_size"])
+    if (accumulation := held_accumulation(settings, sweep.settings.effective_batch)) is not None:
+        settings["trainer.gradient_accumulation_steps"] = accumulation
     settings["budget.gib"] = sweep.budget_gib
     node = OmegaConf.create()
     for key, value in settings.items():
@@ -201,11 +200,9 @@ def ladder_table(rows: list[tuple[float, dict[str, Any] | None]], effective_batc
             continue
         params = summary["best_params"]
         batch = params.get("trainer.batch_size", "")
-        accumulation = params.get("trainer.gradient_accumulation_steps") or (
-            math.ceil(effective_batch / batch) if effective_batch and batch else ""
-        )
+        accumulation = params.get("trainer.gradient_accumulation_steps") or held_accumulation(params, effective_batch)
         lines.append(
-            f"| {budget:g} | {batch} | {accumulation} | {params.get('memory.max_source_length', '')} "
+            f"| {budget:g} | {batch} | {accumulation or ''} | {params.get('memory.max_source_length', '')} "
             f"| {params.get('memory.max_label_length', '')} | {summary['worst_case_peak_gib'] or float('nan'):.2f} "
             f"| {summary['tokens_per_s'] or 0:.0f} | {100 * (summary['label_coverage'] or 0):.1f}% "
             f"| {Path(summary['preset']).stem} |"
