@@ -29,39 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from sweep_strategies_gpu import (  # noqa: E402
-    COVERAGE_FLOOR,
-    EFFECTIVE_BATCH,
-    SEGMENT_STEPS,
-    SPACES,
-    data_overrides,
-    make_data,
-)
-
-
-def sweep_command(args: argparse.Namespace, data: Path, work: Path) -> list[str]:
-    space = SPACES[args.model]
-    return [
-        sys.executable,
-        "train.py",
-        "-m",
-        "sweep=budget",
-        f"model={args.model}",
-        *data_overrides(data, args.tokenizer),
-        f"budget.gib={args.budget:g}",
-        f"trainer.max_steps={SEGMENT_STEPS}",
-        f"hydra.sweeper.n_trials={args.n_trials}",
-        f"hydra.sweeper.seed={args.seed}",
-        f"hydra.sweeper.effective_batch={EFFECTIVE_BATCH}",
-        f"hydra.sweeper.coverage_floor={COVERAGE_FLOOR}",
-        f"hydra.sweeper.devices=[{args.devices}]",
-        f"trainer.batch_size=choice({','.join(map(str, space['batch']))})",
-        f"memory.max_source_length=choice({','.join(map(str, space['source']))})",
-        f"memory.max_label_length=choice({','.join(map(str, space['label']))})",
-        f"output_dir={work / 'outputs'}",
-        f"hydra.sweep.dir={work / 'sweep'}",
-        f"hydra.sweeper.preset_dir={work / 'presets'}",
-    ]
+from sweep_strategies_gpu import SPACES, make_data, sweep_command  # noqa: E402
 
 
 def start_gpu_sampler(path: Path) -> subprocess.Popen | None:
@@ -128,11 +96,13 @@ def run(args: argparse.Namespace) -> None:
     work = Path(args.work) / f"devices-{args.devices.replace(',', '-')}"
     data, _ = make_data(Path(args.work))
     devices = [d.strip() for d in args.devices.split(",")]
+    devices_override = f"hydra.sweeper.devices=[{args.devices}]"
     smi_path = work / "nvidia_smi.csv"
     work.mkdir(parents=True, exist_ok=True)
     sampler = start_gpu_sampler(smi_path)
     started = time.time()
-    done = subprocess.run(sweep_command(args, data, work), cwd=ROOT, capture_output=True, text=True)
+    command = [*sweep_command(args, data, work / "outputs", work / "sweep", work / "presets"), devices_override]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     ended = time.time()
     if sampler is not None:
         sampler.terminate()

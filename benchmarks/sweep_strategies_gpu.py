@@ -454,24 +454,17 @@ def fullpass(args: argparse.Namespace) -> None:
 
 
 # --- live -------------------------------------------------------------------------------------------------------
-def live(args: argparse.Namespace) -> None:
-    """The real thing for one (model, budget): `python train.py -m sweep=budget ...` over the same space and data,
-    each trial a fresh process under the budget's cap, then the chosen configuration's full pass."""
-    import subprocess
-
-    import yaml
-
-    work = Path(args.work)
-    path, _ = make_data(work)
+def sweep_command(args: argparse.Namespace, data: Path, outputs: Path, sweep_dir: Path, presets: Path) -> list[str]:
+    """`python train.py -m sweep=budget` over this benchmark's space and data (args: model, budget, n_trials, seed,
+    tokenizer)."""
     space = SPACES[args.model]
-    sweep_dir = work / f"live-{args.model}-{args.budget:g}"
-    command = [
+    return [
         sys.executable,
         "train.py",
         "-m",
         "sweep=budget",
         f"model={args.model}",
-        *data_overrides(path, args.tokenizer),
+        *data_overrides(data, args.tokenizer),
         f"budget.gib={args.budget:g}",
         f"trainer.max_steps={SEGMENT_STEPS}",
         f"hydra.sweeper.n_trials={args.n_trials}",
@@ -481,10 +474,23 @@ def live(args: argparse.Namespace) -> None:
         f"trainer.batch_size=choice({','.join(map(str, space['batch']))})",
         f"memory.max_source_length=choice({','.join(map(str, space['source']))})",
         f"memory.max_label_length=choice({','.join(map(str, space['label']))})",
-        f"output_dir={work / 'outputs'}",
+        f"output_dir={outputs}",
         f"hydra.sweep.dir={sweep_dir}",
-        f"hydra.sweeper.preset_dir={work / 'presets'}",
+        f"hydra.sweeper.preset_dir={presets}",
     ]
+
+
+def live(args: argparse.Namespace) -> None:
+    """The real thing for one (model, budget): `python train.py -m sweep=budget ...` over the same space and data,
+    each trial a fresh process under the budget's cap, then the chosen configuration's full pass."""
+    import subprocess
+
+    import yaml
+
+    work = Path(args.work)
+    path, _ = make_data(work)
+    sweep_dir = work / f"live-{args.model}-{args.budget:g}"
+    command = sweep_command(args, path, work / "outputs", sweep_dir, work / "presets")
     started = time.perf_counter()
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     wall = time.perf_counter() - started
