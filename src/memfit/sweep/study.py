@@ -450,10 +450,22 @@ class BudgetSweep:
         running = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
         return len([t for t in running if self._counts_as_run(t)])
 
+    @staticmethod
+    def _waiting_retries(study: Any) -> int:
+        """Configurations queued again after their trial was killed or interrupted, not yet asked for."""
+        import optuna
+
+        waiting = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
+        return len([t for t in waiting if "retry_of" in t.user_attrs])
+
     def _over_quota(self, study: Any, trial: Any) -> bool:
         """Trials are numbered in the order the storage created them: a trial with n_trials run (or running) trials
-        before it is one too many, asked by one of several workers at the same moment."""
+        before it is one too many, asked by one of several workers at the same moment. A retry of a killed trial
+        never is: its configuration would otherwise be lost."""
         import optuna
+
+        if "retry_of" in trial.user_attrs:
+            return False
 
         states = (optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)
         earlier = [
@@ -534,13 +546,15 @@ class BudgetSweep:
             self._fail_stale(study)
             done = self._new_trials_done(study)
             show(completed=done, note=_best_text(study, self.objectives))
-            if done >= n_trials:
+            retries = self._waiting_retries(study)  # a killed trial's configuration runs even past n_trials
+            if done >= n_trials and not retries:
                 break
             running = self._running(study) if (self.settings.heartbeat_s or self.settings.devices) else 0
-            if done + running >= n_trials:
+            if done + running >= n_trials and not retries:
                 time.sleep(self.settings.poll_s)
                 continue
-            count = 1 if device is not None else min(self.settings.n_jobs, n_trials - done - running)
+            free = max(n_trials - done - running, retries)
+            count = 1 if device is not None else min(self.settings.n_jobs, free)
             trials = []
             for trial in [self._ask(study, space) for _ in range(count)]:
                 if self._over_quota(study, trial):
