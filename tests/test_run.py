@@ -116,9 +116,9 @@ def test_throughput_leaves_the_first_steps_warm_up_out():
 
     callback = MemoryLoggingCallback(HostMeter(), NullTracker(), collator=None, max_train_tokens=None)
     assert callback.steady_tokens_per_s is None  # nothing trained yet: the run falls back to tokens / wall time
-    callback._windows = [(100, 10.0, 1)]  # one window only: it is all warm-up, nothing steady to report
+    callback._windows = [(100, 10.0)]  # one window only: it is all warm-up, nothing steady to report
     assert callback.steady_tokens_per_s is None
-    callback._windows += [(100, 1.0, 1), (300, 1.0, 0)]  # a slow first step (optimizer state, autotuning), then steady
+    callback._windows += [(100, 1.0), (300, 1.0)]  # a slow first step (optimizer state, autotuning), then steady
     assert callback.steady_tokens_per_s == 200.0
 
 

@@ -318,6 +318,7 @@ def _train(cfg: DictConfig, ctx: dict[str, Any]) -> RunReport:
     overall = meter.overall
     with_warmup = totals.tokens / totals.wall_s if totals.wall_s > 0 else 0.0
     tokens_per_s = ctx["callback"].steady_tokens_per_s or with_warmup
+    retries = ctx["callback"].alloc_retries
     summary = {
         "summary/peak_allocated_gib": overall.allocated_gib,
         "summary/peak_reserved_gib": overall.reserved_gib,
@@ -325,13 +326,13 @@ def _train(cfg: DictConfig, ctx: dict[str, Any]) -> RunReport:
         "summary/wall_s": totals.wall_s,
         "summary/tokens_per_s": tokens_per_s,  # after the first step's warm-up
         "summary/tokens_per_s_with_warmup": with_warmup,
-        "summary/alloc_retries": ctx["callback"].alloc_retries,
+        "summary/alloc_retries": retries,
     }
-    if ctx["callback"].alloc_retries:
+    if retries:
         log.warning(
             "the CUDA allocator freed its cache %d times during training to stay under the cap: every step fitted, "
             "but those steps waited for the device (tokens/s is lower than with headroom)",
-            ctx["callback"].alloc_retries,
+            retries,
         )
     if totals.final_loss is not None:
         summary["summary/final_loss"] = totals.final_loss
@@ -348,7 +349,7 @@ def _train(cfg: DictConfig, ctx: dict[str, Any]) -> RunReport:
         eval_loss=totals.eval_loss,
         train_tokens=totals.tokens,
         steps=totals.steps,
-        alloc_retries=ctx["callback"].alloc_retries,
+        alloc_retries=retries,
     )
 
 

@@ -57,8 +57,7 @@ class MemoryLoggingCallback:
         self.max_train_tokens = max_train_tokens
         self._last_time = 0.0
         self._last_tokens = 0
-        # (tokens, seconds, micro-batches of a new padded shape) between a train log and the log before it
-        self._windows: list[tuple[int, float, int]] = []
+        self._windows: list[tuple[int, float]] = []  # (tokens, seconds) between a train log and the log before it
         self._last_new_shapes = 0
         self._retries_before = 0
 
@@ -69,8 +68,8 @@ class MemoryLoggingCallback:
         new padded shape (`train/new_shapes`) stay in: leaving them out did not bring 5- or 10-step estimates
         closer to a long run's throughput on the H200 (benchmarks/README.md, trial_throughput_gpu.py)."""
         steady = self._windows[1:]
-        seconds = sum(w[1] for w in steady)
-        return sum(w[0] for w in steady) / seconds if steady and seconds > 0 else None
+        seconds = sum(s for _, s in steady)
+        return sum(t for t, _ in steady) / seconds if steady and seconds > 0 else None
 
     @property
     def alloc_retries(self) -> int:
@@ -103,11 +102,11 @@ class MemoryLoggingCallback:
         metrics[prefix + "alloc_retries"] = self.alloc_retries  # cumulative since training began
         now, tokens, new_shapes = time.perf_counter(), self.collator.tokens, self.collator.new_shapes
         if "loss" in logs and now > self._last_time:
-            window = (tokens - self._last_tokens, now - self._last_time, new_shapes - self._last_new_shapes)
-            metrics["train/tokens_per_s"] = window[0] / window[1]
-            metrics["train/window_s"] = window[1]  # wall seconds since the last log (one step at logging_steps=1)
-            metrics["train/new_shapes"] = window[2]  # > 0: this window paid a new shape's warm-up
-            self._windows.append(window)
+            window_tokens, window_s = tokens - self._last_tokens, now - self._last_time
+            metrics["train/tokens_per_s"] = window_tokens / window_s
+            metrics["train/window_s"] = window_s  # wall seconds since the last log (one step at logging_steps=1)
+            metrics["train/new_shapes"] = new_shapes - self._last_new_shapes  # > 0: paid a new shape's warm-up
+            self._windows.append((window_tokens, window_s))
         self._last_time, self._last_tokens, self._last_new_shapes = now, tokens, new_shapes
         self.tracker.log_metrics(metrics, step=state.global_step)
         loss = metrics.get("train/loss", metrics.get("eval/loss"))
