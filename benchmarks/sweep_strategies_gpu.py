@@ -310,7 +310,7 @@ class TableTrials:
         self.by_key = {v["key"]: v for v in views}
         self.budget = budget
 
-    def launch(self, batch: list[list[str]], first_job: int, on_wait=None) -> list:
+    def launch(self, batch: list[list[str]], first_job: int, standby: int = 0) -> list:
         from memfit.sweep.trials import TrialResult
 
         results = []
@@ -456,8 +456,8 @@ def fullpass(args: argparse.Namespace) -> None:
 # --- live -------------------------------------------------------------------------------------------------------
 def sweep_command(args: argparse.Namespace, data: Path, outputs: Path, sweep_dir: Path, presets: Path) -> list[str]:
     """`python train.py -m sweep=budget` over this benchmark's space and data (args: model, budget, n_trials, seed,
-    tokenizer)."""
-    space = SPACES[args.model]
+    tokenizer; `space`, where present, replaces the model's space)."""
+    space = getattr(args, "space", None) or SPACES[args.model]
     return [
         sys.executable,
         "train.py",

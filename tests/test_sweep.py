@@ -53,6 +53,47 @@ def test_the_sweeper_plugin_is_discovered():
     assert "MemfitSweeper" in out.stdout
 
 
+TRIAL_APP = """
+import json, os, sys
+from pathlib import Path
+run_dir = Path([a for a in sys.argv if a.startswith("hydra.run.dir=")][0].split("=", 1)[1])
+print("trial output")
+report = {"pid": os.getpid(), "argv": sys.argv[1:], "torch_imported": "torch" in sys.modules}
+(run_dir / "report.json").write_text(json.dumps(report))
+"""
+
+
+def test_a_prestarted_trial_process_has_paid_its_imports_and_runs_only_its_own_overrides(tmp_path):
+    """hydra.sweeper.prestart: the next trial's process imports while the current trial runs, then takes its
+    overrides; a standby that died is replaced by a process started on demand; unused standbys end cleanly."""
+    import sys
+
+    from memfit.sweep.trials import ProcessTrials, trial_env
+
+    app = tmp_path / "app.py"
+    app.write_text(TRIAL_APP)
+    trials = ProcessTrials([sys.executable, str(app), "--config-name", "x"], tmp_path / "s", None, trial_env(), True)
+    trials.keep_ready(1)
+    standby = trials.standbys[0]
+
+    [first] = trials.launch([["a=1"]], 0, standby=1)
+    assert first.report["pid"] == standby.pid and first.report["torch_imported"]  # imports paid before the trial
+    assert first.report["argv"] == ["--config-name", "x", "a=1", f"hydra.run.dir={tmp_path / 's' / '0'}"]
+    assert (tmp_path / "s" / "0" / "trial.log").read_text().strip() == "trial output"
+
+    dead = trials.standbys[0]  # the one kept ready for the next trial
+    dead.kill()
+    dead.wait()
+    [second] = trials.launch([["a=2"]], 1)
+    assert second.report["pid"] != dead.pid and not second.report["torch_imported"]  # started on demand
+    assert second.report["argv"][-2] == "a=2"
+
+    trials.keep_ready(1)
+    unused = trials.standbys[0]
+    trials.close()
+    assert unused.returncode == 0 and not trials.standbys  # ended without running anything
+
+
 @pytest.mark.slow
 @pytest.mark.xdist_group("readme_budget_sweep")
 def test_the_readme_budget_sweep_finds_and_exports_a_preset(readme_budget_sweep, tmp_path):

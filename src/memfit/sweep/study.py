@@ -86,6 +86,7 @@ class BudgetSweep:
         self.screened = False  # the data is screened once per command, even where it does not apply (None)
         self.space: dict[str, Any] = {}
         self.lock = threading.Lock()
+        self.runners: dict[str, Any] = {}
 
     def setup(self, *, hydra_context: Any, task_function: Any, config: DictConfig) -> None:
         from hydra.core.plugins import Plugins
@@ -100,7 +101,7 @@ class BudgetSweep:
             )
         if s.isolation == "process":
             sweep_dir = Path(config.hydra.sweep.dir)
-            self.trials = ProcessTrials(app_argv(config), sweep_dir, s.trial_timeout_s, trial_env())
+            self.trials = ProcessTrials(app_argv(config), sweep_dir, s.trial_timeout_s, trial_env(), s.prestart)
         elif s.isolation in ("launcher", "none"):
             launcher = Plugins.instance().instantiate_launcher(
                 hydra_context=hydra_context, task_function=task_function, config=config
@@ -115,6 +116,8 @@ class BudgetSweep:
             raise SweepConfigError(
                 "hydra.sweeper.devices pins each trial's process to a GPU: it needs hydra.sweeper.isolation=process"
             )
+        # one runner per device: a device's trials (and its standby process) see only that GPU
+        self.runners = {str(d): self.trials.pinned(str(d), sharing=len(s.devices)) for d in s.devices or []}
 
     # --- study and its MLflow parent run ------------------------------------------------------------------------
     def _study_name(self) -> str:
@@ -450,6 +453,10 @@ class BudgetSweep:
         running = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
         return len([t for t in running if self._counts_as_run(t)])
 
+    def _expects_more(self, study: Any) -> bool:
+        """Whether trials beyond those now running are still to come (worth a standby process)."""
+        return self._new_trials_done(study) + self._running(study) < self.settings.n_trials
+
     @staticmethod
     def _waiting_retries(study: Any) -> int:
         """Configurations queued again after their trial was killed or interrupted, not yet asked for."""
@@ -581,8 +588,7 @@ class BudgetSweep:
 
         def slot(device: str) -> None:
             try:
-                runner = self.trials.pinned(device, sharing=len(self.settings.devices))
-                self._run_trials(study, space, fixed, parent, show, runner, device)
+                self._run_trials(study, space, fixed, parent, show, self.runners[device], device)
             except BaseException as err:  # noqa: BLE001 - re-raised in the sweeper's thread
                 errors.append(err)
 
@@ -615,7 +621,7 @@ class BudgetSweep:
         with self.lock:  # job directories are numbered across device threads
             first_job, self.job_idx = self.job_idx, self.job_idx + len(batch)
         try:
-            results = runner.launch(batch, first_job)
+            results = runner.launch(batch, first_job, standby=len(batch) if self._expects_more(study) else 0)
         finally:
             for beat in beats:
                 beat.join()
@@ -631,6 +637,16 @@ class BudgetSweep:
                 "the sweep has nothing to search"
             )
         self.space = space
+        # trial processes start their imports now, while the sweeper opens the study and screens the data
+        for runner in list(self.runners.values()) or [self.trials]:
+            runner.keep_ready(1 if self.runners else self.settings.n_jobs)
+        try:
+            return self._sweep_budgets(space, fixed)
+        finally:
+            for runner in [self.trials, *self.runners.values()]:
+                runner.close()
+
+    def _sweep_budgets(self, space: dict[str, Any], fixed: list[str]) -> list[Any]:
         budgets = sorted(float(b) for b in self.settings.budgets or [])
         if not budgets:
             self.budget_gib = self.config.budget.gib

@@ -10,6 +10,7 @@ killed with the sweeper (PR_SET_PDEATHSIG), so an interrupted sweep leaves no or
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -60,10 +61,18 @@ def cpu_share(sharing: int) -> int:
 
 
 class ProcessTrials:
-    """`python <app> <overrides> hydra.run.dir=<sweep dir>/<job>` per trial; up to len(batch) at once."""
+    """`python <app> <overrides> hydra.run.dir=<sweep dir>/<job>` per trial; up to len(batch) at once.
 
-    def __init__(self, app_argv: list[str], sweep_dir: Path, timeout_s: float | None, env: dict[str, str]):
+    With `prestart`, the process for the next trial is started while the current one runs (memfit.sweep.standby):
+    it pays the imports then, and takes its overrides when its trial begins. A standby that died is replaced by a
+    process started on demand."""
+
+    def __init__(
+        self, app_argv: list[str], sweep_dir: Path, timeout_s: float | None, env: dict[str, str], prestart: bool = False
+    ):
         self.app_argv, self.sweep_dir, self.timeout_s, self.env = app_argv, sweep_dir, timeout_s, env
+        self.prestart = prestart
+        self.standbys: list[subprocess.Popen] = []
 
     def pinned(self, device: str, sharing: int = 1) -> ProcessTrials:
         """The same trials, their processes seeing only GPU `device` (CUDA_VISIBLE_DEVICES) and, where `sharing`
@@ -73,27 +82,80 @@ class ProcessTrials:
         env = {**self.env, "CUDA_VISIBLE_DEVICES": device}
         if sharing > 1 and "OMP_NUM_THREADS" not in env:
             env["OMP_NUM_THREADS"] = str(cpu_share(sharing))
-        return ProcessTrials(self.app_argv, self.sweep_dir, self.timeout_s, env)
+        return ProcessTrials(self.app_argv, self.sweep_dir, self.timeout_s, env, self.prestart)
 
-    def launch(self, batch: list[list[str]], first_job: int, on_wait: Any = None) -> list[TrialResult]:
+    # --- standby processes ---------------------------------------------------------------------------------------
+    def keep_ready(self, count: int) -> None:
+        """Start standby processes until `count` are alive (none unless `prestart`)."""
+        self.standbys = [p for p in self.standbys if p.poll() is None]
+        if not self.prestart:
+            return
+        self.sweep_dir.mkdir(parents=True, exist_ok=True)
+        while len(self.standbys) < count:
+            with open(self.sweep_dir / "standby.log", "a") as log_file:  # imports' warnings; the trial has its own
+                self.standbys.append(
+                    subprocess.Popen(
+                        [self.app_argv[0], "-m", "memfit.sweep.standby", *self.app_argv[1:]],
+                        stdin=subprocess.PIPE,
+                        stdout=log_file,
+                        stderr=subprocess.STDOUT,
+                        env=self.env,
+                        text=True,
+                        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+                    )
+                )
+
+    def _hand_to_standby(self, overrides: list[str], log_path: Path) -> subprocess.Popen | None:
+        """Give a trial to a waiting standby; None where none is alive to take it."""
+        while self.standbys:
+            proc = self.standbys.pop(0)
+            if proc.poll() is not None:
+                continue
+            try:
+                proc.stdin.write(json.dumps({"overrides": overrides, "log": str(log_path)}) + "\n")
+                proc.stdin.close()
+            except (BrokenPipeError, OSError):  # it died as we wrote
+                continue
+            return proc
+        return None
+
+    def close(self) -> None:
+        """End the standbys no trial will take (end of input: they exit without touching a device)."""
+        for proc in self.standbys:
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
+        for proc in self.standbys:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        self.standbys = []
+
+    # --- trials --------------------------------------------------------------------------------------------------
+    def launch(self, batch: list[list[str]], first_job: int, standby: int = 0) -> list[TrialResult]:
+        """Run the batch's trials at once and wait for them; then keep `standby` processes ready for the next."""
         started = []
         for offset, overrides in enumerate(batch):
             job_dir = self.sweep_dir / str(first_job + offset)
             job_dir.mkdir(parents=True, exist_ok=True)
             (job_dir / "report.json").unlink(missing_ok=True)
-            log_file = open(job_dir / "trial.log", "w")  # noqa: SIM115 - closed once the process ends
-            command = [*self.app_argv, *overrides, f"hydra.run.dir={job_dir}"]
-            proc = subprocess.Popen(
-                command,
+            argv = [*overrides, f"hydra.run.dir={job_dir}"]
+            proc = self._hand_to_standby(argv, job_dir / "trial.log") or self._start(argv, job_dir / "trial.log")
+            started.append((proc, job_dir, time.monotonic()))
+        self.keep_ready(standby)
+        return [self._wait(proc, job_dir, start) for proc, job_dir, start in started]
+
+    def _start(self, argv: list[str], log_path: Path) -> subprocess.Popen:
+        with open(log_path, "w") as log_file:  # the child holds its own descriptor
+            return subprocess.Popen(
+                [*self.app_argv, *argv],
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 env=self.env,
                 preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
             )
-            started.append((proc, job_dir, log_file, time.monotonic()))
-        return [self._wait(proc, job_dir, log_file, start, on_wait) for proc, job_dir, log_file, start in started]
 
-    def _wait(self, proc: Any, job_dir: Path, log_file: Any, start: float, on_wait: Any) -> TrialResult:
+    def _wait(self, proc: Any, job_dir: Path, start: float) -> TrialResult:
         timed_out = False
         while proc.poll() is None:
             if self.timeout_s and time.monotonic() - start > self.timeout_s:
@@ -101,10 +163,7 @@ class ProcessTrials:
                 timed_out = True
                 proc.wait()
                 break
-            if on_wait is not None:
-                on_wait()
             time.sleep(0.2)
-        log_file.close()
         seconds = time.monotonic() - start
         report_path = job_dir / "report.json"
         if report_path.exists() and not timed_out:
@@ -120,7 +179,7 @@ class InProcessTrials:
     def __init__(self, launcher: Any):
         self.launcher = launcher
 
-    def launch(self, batch: list[list[str]], first_job: int, on_wait: Any = None) -> list[TrialResult]:
+    def launch(self, batch: list[list[str]], first_job: int, standby: int = 0) -> list[TrialResult]:
         from hydra.core.utils import JobStatus
 
         start = time.monotonic()
@@ -134,6 +193,12 @@ class InProcessTrials:
                 error = job_return._return_value
                 results.append(TrialResult(None, f"failed: {type(error).__name__}: {error}", seconds))
         return results
+
+    def keep_ready(self, count: int) -> None:
+        """The launcher starts its own processes (or none): nothing to start ahead."""
+
+    def close(self) -> None:
+        """Nothing of this runner outlives a launch."""
 
 
 def app_argv(config: Any) -> list[str]:
