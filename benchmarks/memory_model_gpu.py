@@ -40,6 +40,12 @@ SHAPES = {
 }
 
 
+# run 5 (after T5's attention terms were merged into one: four probes): fresh held-apart shapes for T5
+FRESH_SHAPES = {
+    "t5_base": [(1, 2560, 1024), (3, 2048, 384), (6, 1408, 288), (12, 960, 200), (24, 576, 136), (2, 896, 1792)],
+}
+
+
 def compose(overrides: list[str]):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
@@ -151,7 +157,8 @@ def measure_model(name: str, checkpointing: bool, args, out: dict, save) -> None
         return
     baseline_state = accelerate_bytes(model, cfg.memory.precision)
     hidden = hidden_size(model)
-    for batch, source, label in SHAPES[name]:
+    shapes = FRESH_SHAPES[name] if args.fresh_shapes and name in FRESH_SHAPES else SHAPES[name]
+    for batch, source, label in shapes:
         shape = BatchShape(max(1, int(batch)), int(source * args.shapes_scale), int(label * args.shapes_scale))
         predicted = calibration.estimate(shape)
         started = time.perf_counter()
@@ -251,6 +258,7 @@ def main() -> None:
     parser.add_argument("--tokenizer", default=None)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--shapes-scale", type=float, default=1.0)
+    parser.add_argument("--fresh-shapes", action="store_true", help="FRESH_SHAPES where a model has them (run 5)")
     parser.add_argument("--work", default="/tmp/memfit-memory-model")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()

@@ -97,10 +97,11 @@ def test_an_optimizer_not_modelled_says_so():
 # --- the per-token part ------------------------------------------------------------------------------------------
 SEQ2SEQ = Architecture("seq2seq", 32128, 12, 12, 12, quadratic_attention=False)
 T5_LIKE = Architecture("seq2seq", 32128, 12, 12, 12, quadratic_attention=True)
+EAGER = Architecture("seq2seq", 32128, 12, 12, 12, quadratic_attention=True, cross_attention_scores=True)
 CAUSAL = Architecture("causal", 151936, 0, 28, 12, quadratic_attention=False)
 
 
-@pytest.mark.parametrize("arch", [SEQ2SEQ, T5_LIKE, CAUSAL], ids=["seq2seq", "t5-like", "causal"])
+@pytest.mark.parametrize("arch", [SEQ2SEQ, T5_LIKE, EAGER, CAUSAL], ids=["seq2seq", "t5-like", "eager", "causal"])
 def test_the_fit_recovers_known_coefficients_from_the_calibration_shapes(arch):
     from memfit.calibration import calibration_shapes
 
@@ -109,9 +110,7 @@ def test_the_fit_recovers_known_coefficients_from_the_calibration_shapes(arch):
         "tokens": 5.4e6,
         "encoder_tokens": 6.9e5,
         "decoder_tokens": 1.9e6,
-        "encoder_attention": 9.0,
-        "decoder_attention": 7.5,
-        "cross_attention": 1.5,
+        "attention_scores": 8.9,
     }
     shapes = calibration_shapes(arch, 4096)
     rows = [shape_terms(s.batch, s.source, s.label, arch) for s in shapes]
@@ -120,7 +119,17 @@ def test_the_fit_recovers_known_coefficients_from_the_calibration_shapes(arch):
     assert set(fit.coefficients) == set(rows[0])
     for name, value in fit.coefficients.items():
         assert value == pytest.approx(truth[name], rel=1e-6)
-    assert len(shapes) == (6 if arch.quadratic_attention else 4)
+    assert len(shapes) == 4  # one probe per term, attention or not
+
+
+def test_one_attention_term_counts_every_kept_score():
+    """b·heads·q·k per layer, over the kinds of attention that keep scores: T5's self-attention in both stacks;
+    with eager attention its cross-attention too."""
+    batch, source, label, heads = 3, 512, 128, 3 * 12
+    t5 = shape_terms(batch, source, label, T5_LIKE)["attention_scores"]
+    assert t5 == heads * (12 * source * source + 12 * label * label)
+    assert shape_terms(batch, source, label, EAGER)["attention_scores"] == t5 + heads * 12 * label * source
+    assert "attention_scores" not in shape_terms(batch, source, label, SEQ2SEQ)
 
 
 def test_the_fit_refuses_too_few_or_dependent_probes():
@@ -171,4 +180,7 @@ def test_architectures_are_read_from_built_models(compose_cfg):
     t5 = AutoModelForSeq2SeqLM.from_config(
         AutoConfig.for_model("t5", d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2, vocab_size=64)
     )
-    assert describe_architecture(t5, "seq2seq").quadratic_attention  # its position bias is kept per score
+    t5_arch = describe_architecture(t5, "seq2seq")
+    assert t5_arch.quadratic_attention  # its position bias is kept per score
+    # T5's cross-attention has no learned bias: unless attention is eager it takes the memory-efficient kernel
+    assert t5_arch.cross_attention_scores == (t5.config._attn_implementation == "eager")

@@ -1,6 +1,5 @@
-"""Calibration of the memory model's per-token part: four cheap probes on the device (six where attention keeps
-its scores: one per fitted term), fitted by least squares, cached per (model architecture, memory policy, device,
-library versions) so a sweep pays it once.
+"""Calibration of the memory model's per-token part: four cheap probes on the device, one per fitted term, fitted
+by least squares, cached per (model architecture, memory policy, device, library versions) so a sweep pays it once.
 
 A probe is the preflight's own measurement (forward, backward and optimizer steps on a batch of exactly that
 shape), so a calibrated model predicts what the preflight would measure: peak allocated and peak reserved. The fit
@@ -36,7 +35,7 @@ from memfit.memory_model import (
 
 log = logging.getLogger(__name__)
 
-FORMAT = 3  # bump when what a calibration file holds or how it is fitted changes: old files are then not reused
+FORMAT = 4  # bump when what a calibration file holds or how it is fitted changes: old files are then not reused
 # memory knobs that change what a step holds for a given shape (lengths, padding and eval settings do not)
 POLICY_KNOBS = (
     "precision",
@@ -63,9 +62,10 @@ def calibration_shapes(
     batch_scale: int = 1,
     max_positions: int | None = None,
 ) -> list[BatchShape]:
-    """Four shapes whose terms vary independently: tokens per stack, and (for quadratic attention) two more, long
-    against short sequences. `tokens` sizes the probes' lengths (capped at the model's positions), `batch_scale`
-    multiplies their batch; every length is a multiple of 8 (or of pad_to_multiple_of)."""
+    """Four shapes whose terms vary independently: the constant, tokens per stack and, where attention keeps its
+    scores, long against short sequences at the same tokens. `tokens` sizes the probes' lengths (capped at the
+    model's positions), `batch_scale` multiplies their batch; every length is a multiple of 8 (or of
+    pad_to_multiple_of)."""
     step = max(8, multiple or 8)
 
     def length(n: float) -> int:
@@ -78,15 +78,12 @@ def calibration_shapes(
 
     if arch.task == "causal":
         return [shape(1, tokens / 4, 0), shape(2, tokens / 4, 0), shape(1, tokens / 2, 0), shape(4, tokens / 16, 0)]
-    shapes = [
+    return [
         shape(4, tokens / 8, tokens / 32),
         shape(4, tokens / 4, tokens / 32),
         shape(4, tokens / 8, tokens / 8),
-        shape(8, tokens / 16, tokens / 16),
+        shape(8, tokens / 16, tokens / 16),  # the tokens of the first shape in shorter sequences: scores apart
     ]
-    if arch.quadratic_attention:  # three attention terms more: two shapes more, long source and long label
-        shapes += [shape(2, tokens / 4, tokens / 8), shape(2, tokens / 8, tokens / 4)]
-    return shapes
 
 
 def probe_plan(cfg: DictConfig, arch: Architecture) -> list[tuple[int, int]]:
@@ -247,9 +244,9 @@ def calibrate(
     state: ModelStateBytes,
     on_probe: Callable[[BatchShape], None] | None = None,
 ) -> Calibration | None:
-    """The cached calibration for this run's (model, policy, device, versions), or a new one from four probes (six
-    for quadratic attention) through the preflight's `probe` (weights and RNG restored after each); smaller shapes
-    are tried when one does not fit the budget. None when no plan fits."""
+    """The cached calibration for this run's (model, policy, device, versions), or a new one from four probes
+    through the preflight's `probe` (weights and RNG restored after each); smaller shapes are tried when one does
+    not fit the budget. None when no plan fits."""
     tokens = int(cfg.calibration.probe_tokens)
     ident = identity(cfg, device_name(setup.device), tokens)
     key = calibration_key(ident)

@@ -111,6 +111,10 @@ class Architecture:
     # attention keeps b·heads·q·k scores: eager attention, or a learned position bias added to them (T5). With
     # memory-efficient kernels (SDPA, flash) attention memory is linear in tokens and this term is left out.
     quadratic_attention: bool
+    # whether the decoder's cross-attention keeps its scores too: with eager attention it does; T5's cross-attention
+    # has no learned bias and takes the memory-efficient kernel (measured on an H200: ~0.4 bytes per score per layer,
+    # against ~9 for its self-attention; benchmarks/README.md)
+    cross_attention_scores: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -147,12 +151,15 @@ def describe_architecture(model: Any, task: str) -> Architecture:
         decoder_layers=decoder_layers,
         heads=_first(decoder, "decoder_attention_heads", "num_heads", "num_attention_heads", "n_head", default=1),
         quadratic_attention=attention == "eager" or position_bias,
+        cross_attention_scores=attention == "eager" and task == "seq2seq",
     )
 
 
 def shape_terms(batch: int, source: int, label: int, arch: Architecture) -> dict[str, float]:
-    """The regressors of one padded batch: a constant, tokens per stack, and attention scores where they are kept
-    (one term per kind of attention: their bytes per score differ, e.g. T5's bias gradients).
+    """The regressors of one padded batch: a constant, tokens per stack, and where attention keeps its scores, one
+    term counting every kept score (b·heads·q·k per layer, summed over the kinds of attention that keep them). The
+    kinds share one coefficient: a score costs the same bytes in encoder and decoder self-attention (T5 on an H200:
+    8.7 and 8.9 fitted apart), so four probes fit the model where one term per kind needed six.
 
     Causal models see one sequence (`source` positions, labels are the same positions)."""
     terms = {"constant": 1.0}
@@ -165,9 +172,10 @@ def shape_terms(batch: int, source: int, label: int, arch: Architecture) -> dict
     terms["encoder_tokens"] = float(batch * source)
     terms["decoder_tokens"] = float(batch * label)
     if arch.quadratic_attention:
-        terms["encoder_attention"] = float(heads * arch.encoder_layers * source * source)
-        terms["decoder_attention"] = float(heads * arch.decoder_layers * label * label)
-        terms["cross_attention"] = float(heads * arch.decoder_layers * source * label)
+        scores = arch.encoder_layers * source * source + arch.decoder_layers * label * label
+        if arch.cross_attention_scores:
+            scores += arch.decoder_layers * label * source
+        terms["attention_scores"] = float(heads * scores)
     return terms
 
 
