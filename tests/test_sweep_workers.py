@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import datetime, timedelta
 
 import optuna
 import pytest
@@ -177,12 +178,15 @@ def test_one_trial_per_device_at_a_time_each_pinned_to_its_device(tmp_path):
 
     from .conftest import run_train_py
 
-    done = run_train_py(*_sweep_args(tmp_path), "hydra.sweeper.devices=[0,1]")
+    # a device whose trial ends first waits for the other's, woken when it ends, not after poll_s
+    done = run_train_py(*_sweep_args(tmp_path), "hydra.sweeper.devices=[0,1]", "hydra.sweeper.poll_s=300")
+    ended = datetime.now()
     assert done.returncode == 0, done.stderr[-3000:]
     first, second = sorted(_sqlite_trials(tmp_path), key=lambda t: t.number)
     assert {first.user_attrs["device"], second.user_attrs["device"]} == {"0", "1"}
     # both devices busy at once: no batch waits for its slowest trial before the next starts
     assert first.datetime_start < second.datetime_complete and second.datetime_start < first.datetime_complete
+    assert ended - max(first.datetime_complete, second.datetime_complete) < timedelta(seconds=60)
     client = MlflowClient(default_tracking_uri(str(tmp_path)))
     for trial in (first, second):
         run = client.get_run(trial.user_attrs["run_id"])

@@ -87,6 +87,9 @@ class BudgetSweep:
         self.space: dict[str, Any] = {}
         self.lock = threading.Lock()
         self.runners: dict[str, Any] = {}
+        # trials this sweeper has told after running: a device slot waiting for the others' last trials wakes on it
+        self.told = threading.Condition()
+        self.told_count = 0
 
     def setup(self, *, hydra_context: Any, task_function: Any, config: DictConfig) -> None:
         from hydra.core.plugins import Plugins
@@ -550,6 +553,7 @@ class BudgetSweep:
         n_trials = self.settings.n_trials
         patience, told_in_a_row = max(10, n_trials), 0
         while True:
+            seen = self.told_count
             self._fail_stale(study)
             done = self._new_trials_done(study)
             show(completed=done, note=_best_text(study, self.objectives))
@@ -558,7 +562,7 @@ class BudgetSweep:
                 break
             running = self._running(study) if (self.settings.heartbeat_s or self.settings.devices) else 0
             if done + running >= n_trials and not retries:
-                time.sleep(self.settings.poll_s)
+                self._wait_for_a_trial(seen)
                 continue
             free = max(n_trials - done - running, retries)
             count = 1 if device is not None else min(self.settings.n_jobs, free)
@@ -579,6 +583,12 @@ class BudgetSweep:
             if trials:
                 self._launch_and_tell(study, trials, fixed, parent, runner, device)
         show(completed=self._new_trials_done(study), note=_best_text(study, self.objectives))
+
+    def _wait_for_a_trial(self, seen: int) -> None:
+        """Wait until this sweeper tells another trial (one that could have been the last, or one killed and queued
+        again) or poll_s passes: other workers' trials end without telling this process."""
+        with self.told:
+            self.told.wait_for(lambda: self.told_count != seen, timeout=self.settings.poll_s)
 
     def _run_on_devices(self, study: Any, space: dict[str, Any], fixed: list[str], parent: Any, show: Any) -> None:
         """One trial per device at a time, each in a fresh process pinned with CUDA_VISIBLE_DEVICES. A thread per
@@ -627,6 +637,9 @@ class BudgetSweep:
                 beat.join()
         for trial, result, child in zip(trials, results, children, strict=True):
             self._tell(study, trial, result, child)
+        with self.told:
+            self.told_count += len(trials)
+            self.told.notify_all()
 
     def sweep(self, arguments: list[str]) -> list[Any]:
         space, fixed = parse_search(arguments, dict(self.settings.params or {}))
