@@ -99,6 +99,15 @@ def trial_rows(storage: str) -> list[dict]:
     return rows
 
 
+def trial_logs(sweep_dir: Path, lines: int = 80) -> dict[str, list[str]]:
+    """Each trial's timestamped log lines (its phases: data, model, preflight, training), by job directory."""
+    logs = {}
+    for path in sorted(sweep_dir.glob("*/trial.log")):
+        stamped = [line for line in path.read_text(errors="replace").splitlines() if line.startswith("[20")]
+        logs[path.parent.name] = stamped[:lines]
+    return logs
+
+
 def run(args: argparse.Namespace) -> None:
     args.space = WIDE_SPACES[args.model] if args.wide else None
     work = Path(args.work) / f"devices-{args.devices.replace(',', '-')}"
@@ -154,7 +163,8 @@ def run(args: argparse.Namespace) -> None:
         "slot_idle_share": 1 - sum(d["busy_s"] for d in per_device.values()) / (wall * len(devices)),
         "trials": rows,
         "started_at": datetime.fromtimestamp(started).isoformat(timespec="seconds"),
-        "stderr_tail": done.stderr[-2000:],
+        "stderr_tail": done.stderr[-20000:],  # the sweeper's log: when it asked, launched and told each trial
+        "trial_logs": trial_logs(work / "sweep"),
     }
     Path(args.out).write_text(json.dumps(out, indent=1, default=str))
     print(json.dumps({k: out[k] for k in ("devices", "exit_code", "wall_s", "trials_run", "trials_per_hour")}))

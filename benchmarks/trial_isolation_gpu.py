@@ -77,6 +77,7 @@ def main() -> None:
     parser.add_argument("--model", default="pegasus_large")
     parser.add_argument("--tokenizer", default=None)
     parser.add_argument("--out", default="benchmarks/results/trial_isolation_gpu.json")
+    parser.add_argument("--isolation", nargs="+", default=["process", "none"], choices=["process", "none"])
     args = parser.parse_args()
     import torch
 
@@ -85,10 +86,11 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
         "model": args.model,
+        "prestart": True,  # the sweeper's default since session 6: each trial's process imported before its trial
         "sweeps": [],
     }
     with tempfile.TemporaryDirectory() as tmp:
-        for isolation in ("process", "none"):
+        for isolation in args.isolation:
             for order in ([BIG, SMALL], [SMALL, BIG]):
                 result["sweeps"].append(sweep(isolation, order, args.model, args.tokenizer, Path(tmp)))
                 Path(args.out).write_text(json.dumps(result, indent=1) + "\n")  # partial results survive a cut
