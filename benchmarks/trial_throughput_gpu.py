@@ -53,6 +53,7 @@ def arm(
             f"budget.gib={args.budget:g}",
             f"budget.enforce={str(enforce).lower()}",
             f"trainer.max_steps={steps}",
+            *args.set,
             f"output_dir={work / 'outputs'}",
             f"hydra.run.dir={work / tag}",
         ]
@@ -122,6 +123,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--work", default="/tmp/memfit-trial-throughput")
     parser.add_argument("--tokenizer", default=None)
+    parser.add_argument("--set", nargs="*", default=[], help="more overrides, e.g. memory.pad_to_multiple_of=64")
     args = parser.parse_args()
     data, _ = make_data(Path(args.work))
     started = time.perf_counter()
@@ -143,6 +145,7 @@ def main() -> None:
         "mode": args.mode,
         "model": args.model,
         "budget": args.budget,
+        "overrides": args.set,
         "wall_s": time.perf_counter() - started,
         **{name: read_arm(name, args, plan[name][2]) for name in arms},
     }
