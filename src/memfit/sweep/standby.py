@@ -30,6 +30,7 @@ WARM_MODULES = (
     "datasets",
     "peft",
     "mlflow",
+    "mlflow.store.tracking.sqlalchemy_store",  # what a sqlite or PostgreSQL store opens (0.8 s, lazily imported)
     "matplotlib.pyplot",
     "memfit.run",
 )
