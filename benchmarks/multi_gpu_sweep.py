@@ -163,7 +163,8 @@ def run(args: argparse.Namespace) -> None:
         "slot_idle_share": 1 - sum(d["busy_s"] for d in per_device.values()) / (wall * len(devices)),
         "trials": rows,
         "started_at": datetime.fromtimestamp(started).isoformat(timespec="seconds"),
-        "stderr_tail": done.stderr[-20000:],  # the sweeper's log: when it asked, launched and told each trial
+        "stderr_tail": done.stderr[-4000:],
+        "stdout_tail": done.stdout[-30000:],  # the sweeper's log: when it asked, launched and told each trial
         "trial_logs": trial_logs(work / "sweep"),
     }
     Path(args.out).write_text(json.dumps(out, indent=1, default=str))
