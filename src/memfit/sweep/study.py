@@ -457,8 +457,10 @@ class BudgetSweep:
         return len([t for t in running if self._counts_as_run(t)])
 
     def _expects_more(self, study: Any) -> bool:
-        """Whether trials beyond those now running are still to come (worth a standby process)."""
-        return self._new_trials_done(study) + self._running(study) < self.settings.n_trials
+        """Whether trials beyond those now running are still to come (worth a standby process): in this study, or
+        in a larger budget of the ladder after it."""
+        more_budgets = bool(self.settings.budgets) and self.budget_gib != max(self.settings.budgets)
+        return more_budgets or self._new_trials_done(study) + self._running(study) < self.settings.n_trials
 
     @staticmethod
     def _waiting_retries(study: Any) -> int:

@@ -120,8 +120,10 @@ class ProcessTrials:
         return None
 
     def close(self) -> None:
-        """End the standbys no trial will take (end of input: they exit without touching a device)."""
+        """End the standbys no trial will take, at once: one that has taken no trial holds no device and has
+        written nothing, and letting it finish its imports would only spend CPU."""
         for proc in self.standbys:
+            proc.terminate()
             with contextlib.suppress(OSError):
                 proc.stdin.close()
         for proc in self.standbys:
@@ -129,6 +131,7 @@ class ProcessTrials:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 proc.kill()
+                proc.wait()
         self.standbys = []
 
     # --- trials --------------------------------------------------------------------------------------------------
