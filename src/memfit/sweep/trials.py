@@ -38,6 +38,10 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+# every trial process (and standby) dies with the sweeper, where the OS lets us ask for it
+CHILD_SETUP = _die_with_parent if sys.platform.startswith("linux") else None
+
+
 def _last_line(path: Path) -> str:
     try:
         lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
@@ -101,7 +105,7 @@ class ProcessTrials:
                         stderr=subprocess.STDOUT,
                         env=self.env,
                         text=True,
-                        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+                        preexec_fn=CHILD_SETUP,
                     )
                 )
 
@@ -155,7 +159,7 @@ class ProcessTrials:
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 env=self.env,
-                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+                preexec_fn=CHILD_SETUP,
             )
 
     def _wait(self, proc: Any, job_dir: Path, start: float) -> TrialResult:
