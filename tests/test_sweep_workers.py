@@ -173,13 +173,16 @@ def _sweep_args(tmp_path) -> list[str]:
 
 
 def test_one_trial_per_device_at_a_time_each_pinned_to_its_device(tmp_path):
-    from memfit.sweep.trials import cpu_share
+    from memfit.run import core_ranges
+    from memfit.sweep.trials import core_sets, cpu_share
     from memfit.tracking import default_tracking_uri
 
     from .conftest import run_train_py
 
-    # a device whose trial ends first waits for the other's, woken when it ends, not after poll_s
-    done = run_train_py(*_sweep_args(tmp_path), "hydra.sweeper.devices=[0,1]", "hydra.sweeper.poll_s=300")
+    # a device whose trial ends first waits for the other's, woken when it ends, not after poll_s; each device's
+    # trials on their own cores
+    pinning = ["hydra.sweeper.devices=[0,1]", "hydra.sweeper.pin_cores=true", "hydra.sweeper.poll_s=300"]
+    done = run_train_py(*_sweep_args(tmp_path), *pinning)
     ended = datetime.now()
     assert done.returncode == 0, done.stderr[-3000:]
     first, second = sorted(_sqlite_trials(tmp_path), key=lambda t: t.number)
@@ -193,6 +196,9 @@ def test_one_trial_per_device_at_a_time_each_pinned_to_its_device(tmp_path):
         assert run.data.tags["memfit.cuda_visible_devices"] == trial.user_attrs["device"]  # what the trial saw
         # two trials share the host's cores, unless OMP_NUM_THREADS is set (as this suite does under pytest-xdist)
         assert run.data.tags["memfit.cpu_threads"] == os.environ.get("OMP_NUM_THREADS", str(cpu_share(2)))
+    expected = [core_ranges(cores) for cores in core_sets(2)]  # this machine's cores in two disjoint halves
+    tags = {t.user_attrs["device"]: client.get_run(t.user_attrs["run_id"]).data.tags for t in (first, second)}
+    assert [tags["0"]["memfit.cpu_cores"], tags["1"]["memfit.cpu_cores"]] == expected
 
 
 def test_trials_go_through_hydra_submitit_launcher(tmp_path):

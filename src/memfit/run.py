@@ -74,7 +74,19 @@ def run_tags(cfg: DictConfig, device: str, meter_label: str) -> dict[str, str]:
         "memfit.mode": "estimate_only" if cfg.estimate_only else "preflight_only" if cfg.preflight_only else "train",
         "memfit.cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", "all"),
         "memfit.cpu_threads": os.environ.get("OMP_NUM_THREADS", "all"),
+        "memfit.cpu_cores": core_ranges(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else "all",
     }
+
+
+def core_ranges(cores: list[int]) -> str:
+    """0-3,8-11 for [0, 1, 2, 3, 8, 9, 10, 11]: the cores this run may use, as taskset writes them."""
+    runs: list[list[int]] = []
+    for core in cores:
+        if runs and core == runs[-1][-1] + 1:
+            runs[-1].append(core)
+        else:
+            runs.append([core])
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
 def _is_oom(err: BaseException) -> bool:

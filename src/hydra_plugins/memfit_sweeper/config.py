@@ -35,6 +35,9 @@ class MemfitSweeperConf:
     heartbeat_s: float | None = 30
     # one trial per GPU at a time, pinned with CUDA_VISIBLE_DEVICES (isolation=process): e.g. [0,1,2,3]
     devices: list[str] | None = None
+    # with devices: each device's trial processes run on their own share of the cores (sched_setaffinity), so two
+    # devices' trials never compete for one core; false: every trial may use every core (its thread count is split)
+    pin_cores: bool = False
     poll_s: float = 5
     budgets: list[float] | None = None  # a budget ladder: one study per budget, smallest first, measurements reused
     preset_dir: str = "sweeps/preset"  # where the best feasible configuration is exported (relative to launch dir)

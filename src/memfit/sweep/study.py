@@ -33,7 +33,7 @@ from memfit.sweep.outcome import (
 from memfit.sweep.results import ladder_table, log_pareto_plot, summarise
 from memfit.sweep.screen import LABEL, coverage_screen, data_lengths
 from memfit.sweep.space import SweepConfigError, dominated_by, held_accumulation, parse_search, repeat_of
-from memfit.sweep.trials import InProcessTrials, ProcessTrials, app_argv, pid_alive, trial_env
+from memfit.sweep.trials import InProcessTrials, ProcessTrials, app_argv, core_sets, pid_alive, trial_env
 
 log = logging.getLogger("memfit.sweep")
 
@@ -119,8 +119,19 @@ class BudgetSweep:
             raise SweepConfigError(
                 "hydra.sweeper.devices pins each trial's process to a GPU: it needs hydra.sweeper.isolation=process"
             )
-        # one runner per device: a device's trials (and its standby process) see only that GPU
-        self.runners = {str(d): self.trials.pinned(str(d), sharing=len(s.devices)) for d in s.devices or []}
+        if s.pin_cores and not s.devices:
+            raise SweepConfigError(
+                "hydra.sweeper.pin_cores gives each device's trials their own cores: it needs hydra.sweeper.devices"
+            )
+        # one runner per device: a device's trials (and its standby process) see only that GPU (and its cores)
+        devices = [str(d) for d in s.devices or []]
+        cores = core_sets(len(devices)) if s.pin_cores else None
+        if s.pin_cores and cores is None:
+            log.warning("hydra.sweeper.pin_cores: fewer cores than devices (or no affinity here): trials not pinned")
+        self.runners = {
+            d: self.trials.pinned(d, sharing=len(devices), cores=cores[i] if cores else None)
+            for i, d in enumerate(devices)
+        }
 
     # --- study and its MLflow parent run ------------------------------------------------------------------------
     def _study_name(self) -> str:

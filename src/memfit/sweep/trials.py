@@ -64,6 +64,25 @@ def cpu_share(sharing: int) -> int:
     return max(1, cores // sharing)
 
 
+def core_sets(count: int) -> list[list[int]] | None:
+    """The cores this process may use, cut into `count` disjoint runs of consecutive cores, one per device; None
+    where the OS cannot pin (no sched_setaffinity) or there are fewer cores than devices."""
+    if not hasattr(os, "sched_setaffinity") or count < 1:
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    share = len(cores) // count
+    return [cores[i * share : (i + 1) * share] for i in range(count)] if share else None
+
+
+def _pinned_setup(cores: list[int]) -> Any:
+    def setup() -> None:  # pragma: no cover - runs in the child between fork and exec
+        if CHILD_SETUP is not None:
+            CHILD_SETUP()
+        os.sched_setaffinity(0, cores)
+
+    return setup
+
+
 class ProcessTrials:
     """`python <app> <overrides> hydra.run.dir=<sweep dir>/<job>` per trial; up to len(batch) at once.
 
@@ -77,16 +96,21 @@ class ProcessTrials:
         self.app_argv, self.sweep_dir, self.timeout_s, self.env = app_argv, sweep_dir, timeout_s, env
         self.prestart = prestart
         self.standbys: list[subprocess.Popen] = []
+        self.child_setup = CHILD_SETUP  # run in each child before it starts: dies with the sweeper (and pins)
 
-    def pinned(self, device: str, sharing: int = 1) -> ProcessTrials:
+    def pinned(self, device: str, sharing: int = 1, cores: list[int] | None = None) -> ProcessTrials:
         """The same trials, their processes seeing only GPU `device` (CUDA_VISIBLE_DEVICES) and, where `sharing`
         trials run side by side, their share of the host's cores (OMP_NUM_THREADS, unless the user set it): each
         torch process otherwise starts one thread per core, and concurrent trials then oversubscribe the CPU for
-        the model build and data work that precede their GPU steps."""
+        the model build and data work that precede their GPU steps. With `cores`, the processes run only on those
+        (sched_setaffinity), so two devices' trials never share a core."""
         env = {**self.env, "CUDA_VISIBLE_DEVICES": device}
         if sharing > 1 and "OMP_NUM_THREADS" not in env:
-            env["OMP_NUM_THREADS"] = str(cpu_share(sharing))
-        return ProcessTrials(self.app_argv, self.sweep_dir, self.timeout_s, env, self.prestart)
+            env["OMP_NUM_THREADS"] = str(len(cores) if cores else cpu_share(sharing))
+        trials = ProcessTrials(self.app_argv, self.sweep_dir, self.timeout_s, env, self.prestart)
+        if cores:
+            trials.child_setup = _pinned_setup(cores)
+        return trials
 
     # --- standby processes ---------------------------------------------------------------------------------------
     def keep_ready(self, count: int) -> None:
@@ -105,7 +129,7 @@ class ProcessTrials:
                         stderr=subprocess.STDOUT,
                         env=self.env,
                         text=True,
-                        preexec_fn=CHILD_SETUP,
+                        preexec_fn=self.child_setup,
                     )
                 )
 
@@ -159,7 +183,7 @@ class ProcessTrials:
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 env=self.env,
-                preexec_fn=CHILD_SETUP,
+                preexec_fn=self.child_setup,
             )
 
     def _wait(self, proc: Any, job_dir: Path, start: float) -> TrialResult:
