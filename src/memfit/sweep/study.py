@@ -663,14 +663,21 @@ class BudgetSweep:
                 "the sweep has nothing to search"
             )
         self.space = space
-        # trial processes start their imports now, while the sweeper opens the study and screens the data
-        for runner in list(self.runners.values()) or [self.trials]:
-            runner.keep_ready(1 if self.runners else self.settings.n_jobs)
+        self._prestart()
         try:
             return self._sweep_budgets(space, fixed)
         finally:
             for runner in [self.trials, *self.runners.values()]:
                 runner.close()
+
+    def _prestart(self) -> None:
+        """The first trials' processes start their imports now, while the sweeper opens the study and screens the
+        data: one per device, or one per trial of a batch."""
+        if self.runners:
+            for runner in self.runners.values():
+                runner.keep_ready(1)
+        else:
+            self.trials.keep_ready(self.settings.n_jobs)
 
     def _sweep_budgets(self, space: dict[str, Any], fixed: list[str]) -> list[Any]:
         budgets = sorted(float(b) for b in self.settings.budgets or [])
