@@ -94,6 +94,9 @@ def trial_rows(storage: str) -> list[dict]:
                 "end": t.datetime_complete.timestamp() if t.datetime_complete else None,
                 "tokens_per_s": t.user_attrs.get("tokens_per_s"),
                 "worst_case_peak_gib": t.user_attrs.get("worst_case_peak_gib"),
+                # the trial process's own seconds (handed its overrides to exit): start..end minus this is the
+                # sweeper's part (ask, pruning checks, launch, tell)
+                "process_s": t.user_attrs.get("gpu_seconds"),
             }
         )
     return rows
@@ -106,6 +109,26 @@ def trial_logs(sweep_dir: Path, lines: int = 80) -> dict[str, list[str]]:
         stamped = [line for line in path.read_text(errors="replace").splitlines() if line.startswith("[20")]
         logs[path.parent.name] = stamped[:lines]
     return logs
+
+
+def host_layout() -> dict:
+    """What the host gives the sweep: usable CPUs, their cores and NUMA nodes, and how the GPUs sit among them."""
+    import os
+
+    from memfit.sweep.trials import cpu_place
+
+    cpus = sorted(os.sched_getaffinity(0))
+    places = [cpu_place(cpu) for cpu in cpus]
+    try:
+        topo = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=30).stdout
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        topo = None
+    return {
+        "cpus": len(cpus),
+        "physical_cores": len(set(places)),
+        "numa_nodes": sorted({node for node, _, _ in places}),
+        "nvidia_smi_topo": topo,
+    }
 
 
 def run(args: argparse.Namespace) -> None:
@@ -165,6 +188,7 @@ def run(args: argparse.Namespace) -> None:
         "slot_idle_share": 1 - sum(d["busy_s"] for d in per_device.values()) / (wall * len(devices)),
         "trials": rows,
         "started_at": datetime.fromtimestamp(started).isoformat(timespec="seconds"),
+        "host": host_layout(),
         "stderr_tail": done.stderr[-4000:],
         "stdout_tail": done.stdout[-30000:],  # the sweeper's log: when it asked, launched and told each trial
         "trial_logs": trial_logs(work / "sweep"),

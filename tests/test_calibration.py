@@ -61,6 +61,34 @@ def test_a_damaged_cache_file_is_fitted_again(compose_cfg, tmp_path):
     assert Calibration.from_json((tmp_path / "cal" / f"{first.key}.json").read_text()).key == first.key
 
 
+def test_a_calibration_under_way_in_another_process_is_not_repeated_and_a_dead_ones_lock_is_taken_over(
+    compose_cfg, tmp_path, caplog
+):
+    """Two trials of a multi-GPU sweep start together: one calibrates, the other goes on without a prediction."""
+    import subprocess
+    import sys
+
+    from memfit.lockfile import HOST
+
+    cfg = compose_cfg(*TINY, f"calibration.cache_dir={tmp_path}/cal")
+    key = calibration_key(identity(cfg, "cpu", 512))
+    lock = tmp_path / "cal" / f"{key}.lock"
+    lock.parent.mkdir()
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        lock.write_text(f"{HOST} {other.pid}")
+        probed: list = []
+        with caplog.at_level("INFO", logger="memfit.calibration"):
+            assert _calibrate(cfg, probed) is None and probed == []
+        assert "another process is calibrating" in caplog.text and lock.exists()
+    finally:
+        other.kill()
+        other.wait()
+    probed = []
+    fitted = _calibrate(cfg, probed)  # the holder died: its lock is taken over
+    assert fitted is not None and fitted.key == key and len(probed) == 4 and not lock.exists()
+
+
 def test_the_key_changes_with_model_policy_device_and_versions(compose_cfg, monkeypatch):
     base = compose_cfg(*TINY)
     key = calibration_key(identity(base, "cpu", 512))

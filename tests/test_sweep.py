@@ -94,6 +94,38 @@ def test_a_prestarted_trial_process_has_paid_its_imports_and_runs_only_its_own_o
     assert unused.returncode is not None and not trials.standbys and not (tmp_path / "s" / "2").exists()
 
 
+EXITING_APP = """
+import atexit, sys, threading, time
+from pathlib import Path
+run_dir = Path([a for a in sys.argv if a.startswith("hydra.run.dir=")][0].split("=", 1)[1])
+atexit.register(lambda: (run_dir / "atexit").write_text("ran"))
+threading.Thread(target=lambda: (time.sleep(0.5), (run_dir / "thread").write_text("done"))).start()
+print("exiting", flush=True)
+sys.exit(int([a for a in sys.argv if a.startswith("code=")][0].split("=")[1]))
+"""
+
+
+@pytest.mark.parametrize("prestart", [True, False])
+def test_a_trial_process_ends_as_a_normal_exit_would_less_the_interpreter_teardown(tmp_path, prestart):
+    """memfit.sweep.standby ends the trial with os._exit after its work: threads and atexit handlers still run,
+    and the exit status is the script's."""
+    import sys
+
+    from memfit.sweep.trials import ProcessTrials, trial_env
+
+    app = tmp_path / "app.py"
+    app.write_text(EXITING_APP)
+    trials = ProcessTrials([sys.executable, str(app)], tmp_path / "s", None, trial_env(), prestart)
+    trials.keep_ready(1)
+    [result] = trials.launch([["code=3"]], 0)
+    job = tmp_path / "s" / "0"
+    assert result.report is None and result.error == "failed: exit 3: exiting"
+    assert (job / "atexit").read_text() == "ran" and (job / "thread").read_text() == "done"
+    [ok] = trials.launch([["code=0"]], 1)
+    assert ok.error == "failed: exit 0: exiting"  # no report.json: the sweeper says so, with the status
+    trials.close()
+
+
 def test_pinned_cores_are_disjoint_halves_of_this_process_cores_written_as_taskset_does():
     import os
 
@@ -109,6 +141,27 @@ def test_pinned_cores_are_disjoint_halves_of_this_process_cores_written_as_tasks
     assert halves[0] and halves[1] and not set(halves[0]) & set(halves[1])
     assert set(halves[0]) | set(halves[1]) <= set(mine) and len(halves[0]) == len(halves[1]) == len(mine) // 2
     assert core_sets(len(mine) + 1) is None
+
+
+def test_pinned_cores_keep_hyperthread_siblings_together_and_prefer_one_numa_node():
+    from memfit.sweep.trials import core_sets, cpu_place
+
+    # a 2-socket host with 8 physical cores, 2 threads each, numbered as Linux does: cpu N and N+8 are siblings,
+    # cpus 0-3 (and 8-11) on node 0, 4-7 (and 12-15) on node 1
+    def place(cpu: int) -> tuple[int, int, int]:
+        core = cpu % 8
+        return (core // 4, core // 4, core % 4)
+
+    halves = core_sets(2, cpus=range(16), place=place)
+    assert halves == [[0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]]  # not 0-7 | 8-15: siblings
+    quarters = core_sets(4, cpus=range(16), place=place)
+    assert quarters[0] == [0, 1, 8, 9] and all(len(q) == 4 for q in quarters)
+    assert core_sets(16, cpus=range(16), place=place) == [
+        [cpu] for cpu in [0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15]
+    ]
+    assert core_sets(17, cpus=range(16), place=place) is None
+    node, socket, core = cpu_place(0)  # this machine's sysfs, read for real
+    assert min(node, socket, core) >= 0
 
 
 @pytest.mark.slow

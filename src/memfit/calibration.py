@@ -21,6 +21,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from memfit.audit import BatchShape
+from memfit.lockfile import exclusive
 from memfit.memory_model import (
     Architecture,
     FittedPeak,
@@ -246,7 +247,8 @@ def calibrate(
 ) -> Calibration | None:
     """The cached calibration for this run's (model, policy, device, versions), or a new one from four probes
     through the preflight's `probe` (weights and RNG restored after each); smaller shapes are tried when one does
-    not fit the budget. None when no plan fits."""
+    not fit the budget. None when no plan fits, or while another process calibrates the same key (its lock file
+    beside the cache): a run does not wait for it."""
     tokens = int(cfg.calibration.probe_tokens)
     ident = identity(cfg, device_name(setup.device), tokens)
     key = calibration_key(ident)
@@ -260,6 +262,29 @@ def calibrate(
             "the preflight still measures the worst batch"
         )
         return None
+    with exclusive(cache_dir / f"{key}.lock") as mine:
+        if not mine:  # two trials of a multi-GPU sweep, started together: one calibrates, the other goes on
+            log.info(
+                "memory model: another process is calibrating %s now: this run goes without a prediction (the "
+                "preflight still measures the worst batch)",
+                key,
+            )
+            return None
+        if (found := load_cached(cache_dir, key)) is not None:  # fitted by the lock's last holder since the check
+            return found
+        return _fit_and_cache(cfg, setup, arch, state, on_probe, key, ident)
+
+
+def _fit_and_cache(
+    cfg: DictConfig,
+    setup: Any,
+    arch: Architecture,
+    state: ModelStateBytes,
+    on_probe: Callable[[BatchShape], None] | None,
+    key: str,
+    ident: dict[str, Any],
+) -> Calibration | None:
+    cache_dir = Path(cfg.calibration.cache_dir)
     start = time.perf_counter()
     for tokens, scale in probe_plan(cfg, arch):
         shapes = calibration_shapes(arch, tokens, cfg.memory.pad_to_multiple_of, scale, cfg.model.max_positions)

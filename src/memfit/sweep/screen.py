@@ -9,6 +9,7 @@ coverage floor without launching it; the memory model (sweep.predict) uses the w
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -67,13 +68,24 @@ def data_lengths(space: dict[str, Any], config: DictConfig) -> DataLengths | Non
     from memfit.data import load_and_tokenize
     from memfit.models import build_tokenizer
 
+    started = time.perf_counter()
     try:
-        prepared = load_and_tokenize(config, build_tokenizer(config.model))
+        tokenizer = build_tokenizer(config.model)
+        built = time.perf_counter()
+        prepared = load_and_tokenize(config, tokenizer)
     except Exception as err:  # noqa: BLE001 - every trial reports this data problem itself, with its run
         log.warning(
             "the data's lengths were not read before the trials: %s", str(err).splitlines()[0] if str(err) else err
         )
         return None
+    done = time.perf_counter()
+    log.info(
+        "data screen: %d samples' lengths read in %.1f s (tokenizer %.1f s, data %.1f s)",
+        len(prepared.label_raw),
+        done - started,
+        built - started,
+        done - built,
+    )
     return DataLengths(config.model.task, prepared.source_raw, prepared.label_raw)
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 import time
 import warnings
@@ -21,6 +20,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from memfit.lockfile import HOST, pid_alive
 from memfit.progress import progress_bar
 from memfit.sweep.outcome import (
     TrialOutcome,
@@ -33,11 +33,9 @@ from memfit.sweep.outcome import (
 from memfit.sweep.results import ladder_table, log_pareto_plot, summarise
 from memfit.sweep.screen import LABEL, coverage_screen, data_lengths
 from memfit.sweep.space import SweepConfigError, dominated_by, held_accumulation, parse_search, repeat_of
-from memfit.sweep.trials import InProcessTrials, ProcessTrials, app_argv, core_sets, pid_alive, trial_env
+from memfit.sweep.trials import InProcessTrials, ProcessTrials, app_argv, core_sets, trial_env
 
 log = logging.getLogger("memfit.sweep")
-
-HOST = socket.gethostname()
 
 
 def make_sampler(name: str, seed: int | None, n_trials: int = 16, n_jobs: int = 1) -> Any:

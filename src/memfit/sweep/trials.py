@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,14 +65,39 @@ def cpu_share(sharing: int) -> int:
     return max(1, cores // sharing)
 
 
-def core_sets(count: int) -> list[list[int]] | None:
-    """The cores this process may use, cut into `count` disjoint runs of consecutive cores, one per device; None
-    where the OS cannot pin (no sched_setaffinity) or there are fewer cores than devices."""
+def cpu_place(cpu: int, sysfs: Path = Path("/sys/devices/system/cpu")) -> tuple[int, int, int]:
+    """(NUMA node, socket, physical core) of a logical CPU, from sysfs; (0, 0, cpu) where it does not say."""
+    top = sysfs / f"cpu{cpu}"
+    node = next((int(p.name[4:]) for p in top.glob("node[0-9]*")), 0)
+    try:
+        socket = int((top / "topology" / "physical_package_id").read_text())
+        core = int((top / "topology" / "core_id").read_text())
+    except (OSError, ValueError):
+        return (node, 0, cpu)
+    return (node, socket, core)
+
+
+def core_sets(
+    count: int, cpus: Iterable[int] | None = None, place: Callable[[int], tuple[int, int, int]] = cpu_place
+) -> list[list[int]] | None:
+    """The cores this process may use (or `cpus`), cut into `count` disjoint sets, one per device; None where the
+    OS cannot pin (no sched_setaffinity) or there are fewer cores than devices.
+
+    A set takes whole physical cores, neighbours on one NUMA node where it can: two hyperthreads of one core
+    share its execution units, so a split by CPU number alone (0-15 | 16-31, where cpu N and N+16 are often
+    siblings) would put two devices' trials on the same cores."""
     if not hasattr(os, "sched_setaffinity") or count < 1:
         return None
-    cores = sorted(os.sched_getaffinity(0))
-    share = len(cores) // count
-    return [cores[i * share : (i + 1) * share] for i in range(count)] if share else None
+    physical: dict[tuple[int, int, int], list[int]] = {}
+    for cpu in sorted(os.sched_getaffinity(0) if cpus is None else cpus):
+        physical.setdefault(place(cpu), []).append(cpu)
+    groups = [physical[key] for key in sorted(physical)]
+    if len(groups) < count:  # fewer physical cores than devices: split the logical CPUs instead
+        groups = [[cpu] for group in groups for cpu in group]
+    share = len(groups) // count
+    if not share:
+        return None
+    return [sorted(cpu for group in groups[i * share : (i + 1) * share] for cpu in group) for i in range(count)]
 
 
 def _pinned_setup(cores: list[int]) -> Any:
@@ -121,17 +147,20 @@ class ProcessTrials:
         self.sweep_dir.mkdir(parents=True, exist_ok=True)
         while len(self.standbys) < count:
             with open(self.sweep_dir / "standby.log", "a") as log_file:  # imports' warnings; the trial has its own
-                self.standbys.append(
-                    subprocess.Popen(
-                        [self.app_argv[0], "-m", "memfit.sweep.standby", *self.app_argv[1:]],
-                        stdin=subprocess.PIPE,
-                        stdout=log_file,
-                        stderr=subprocess.STDOUT,
-                        env=self.env,
-                        text=True,
-                        preexec_fn=self.child_setup,
-                    )
-                )
+                self.standbys.append(self._spawn(log_file))
+
+    def _spawn(self, output: Any, on_demand: bool = False) -> subprocess.Popen:
+        """A trial process (memfit.sweep.standby) writing to `output`, waiting for its overrides on stdin."""
+        mode = ["--on-demand"] if on_demand else []
+        return subprocess.Popen(
+            [self.app_argv[0], "-m", "memfit.sweep.standby", *mode, *self.app_argv[1:]],
+            stdin=subprocess.PIPE,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            text=True,
+            preexec_fn=self.child_setup,
+        )
 
     def _hand_to_standby(self, overrides: list[str], log_path: Path) -> subprocess.Popen | None:
         """Give a trial to a waiting standby; None where none is alive to take it."""
@@ -177,24 +206,22 @@ class ProcessTrials:
         return [self._wait(proc, job_dir, start) for proc, job_dir, start in started]
 
     def _start(self, argv: list[str], log_path: Path) -> subprocess.Popen:
+        """A trial process started on demand: the standby module, given its overrides at once, so that every
+        trial runs and ends the same way."""
         with open(log_path, "w") as log_file:  # the child holds its own descriptor
-            return subprocess.Popen(
-                [*self.app_argv, *argv],
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                env=self.env,
-                preexec_fn=self.child_setup,
-            )
+            proc = self._spawn(log_file, on_demand=True)
+        proc.stdin.write(json.dumps({"overrides": argv}) + "\n")
+        proc.stdin.close()
+        return proc
 
     def _wait(self, proc: Any, job_dir: Path, start: float) -> TrialResult:
         timed_out = False
-        while proc.poll() is None:
-            if self.timeout_s and time.monotonic() - start > self.timeout_s:
-                proc.kill()
-                timed_out = True
-                proc.wait()
-                break
-            time.sleep(0.2)
+        try:  # returns as the process ends (no polling interval lost per trial)
+            proc.wait(timeout=self.timeout_s - (time.monotonic() - start) if self.timeout_s else None)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            timed_out = True
+            proc.wait()
         seconds = time.monotonic() - start
         report_path = job_dir / "report.json"
         if report_path.exists() and not timed_out:
@@ -247,13 +274,3 @@ def trial_env() -> dict[str, str]:
     env.pop("HYDRA_FULL_ERROR", None)
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
