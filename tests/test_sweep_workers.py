@@ -174,7 +174,7 @@ def _sweep_args(tmp_path) -> list[str]:
 
 def test_one_trial_per_device_at_a_time_each_pinned_to_its_device(tmp_path):
     from memfit.run import core_ranges
-    from memfit.sweep.trials import core_sets, cpu_share
+    from memfit.sweep.trials import core_sets
     from memfit.tracking import default_tracking_uri
 
     from .conftest import run_train_py
@@ -191,12 +191,14 @@ def test_one_trial_per_device_at_a_time_each_pinned_to_its_device(tmp_path):
     assert first.datetime_start < second.datetime_complete and second.datetime_start < first.datetime_complete
     assert ended - max(first.datetime_complete, second.datetime_complete) < timedelta(seconds=60)
     client = MlflowClient(default_tracking_uri(str(tmp_path)))
+    halves = core_sets(2)  # this machine's cores in two disjoint halves
     for trial in (first, second):
         run = client.get_run(trial.user_attrs["run_id"])
         assert run.data.tags["memfit.cuda_visible_devices"] == trial.user_attrs["device"]  # what the trial saw
-        # two trials share the host's cores, unless OMP_NUM_THREADS is set (as this suite does under pytest-xdist)
-        assert run.data.tags["memfit.cpu_threads"] == os.environ.get("OMP_NUM_THREADS", str(cpu_share(2)))
-    expected = [core_ranges(cores) for cores in core_sets(2)]  # this machine's cores in two disjoint halves
+        # pinned: a thread per core of its own, unless OMP_NUM_THREADS is set (as this suite does under pytest-xdist)
+        threads = str(len(halves[int(trial.user_attrs["device"])]))
+        assert run.data.tags["memfit.cpu_threads"] == os.environ.get("OMP_NUM_THREADS", threads)
+    expected = [core_ranges(cores) for cores in halves]
     tags = {t.user_attrs["device"]: client.get_run(t.user_attrs["run_id"]).data.tags for t in (first, second)}
     assert [tags["0"]["memfit.cpu_cores"], tags["1"]["memfit.cpu_cores"]] == expected
 

@@ -126,10 +126,7 @@ class BudgetSweep:
         cores = core_sets(len(devices)) if s.pin_cores else None
         if s.pin_cores and cores is None:
             log.warning("hydra.sweeper.pin_cores: fewer cores than devices (or no affinity here): trials not pinned")
-        self.runners = {
-            d: self.trials.pinned(d, sharing=len(devices), cores=cores[i] if cores else None)
-            for i, d in enumerate(devices)
-        }
+        self.runners = {d: self.trials.pinned(d, cores=cores[i] if cores else None) for i, d in enumerate(devices)}
 
     # --- study and its MLflow parent run ------------------------------------------------------------------------
     def _study_name(self) -> str:

@@ -59,12 +59,6 @@ def _why(returncode: int | None, timed_out: bool, timeout_s: float | None, log_p
     return f"failed: exit {returncode}: {_last_line(log_path)}"
 
 
-def cpu_share(sharing: int) -> int:
-    """The cores this process may use (its affinity, as under Slurm or taskset), split between `sharing` trials."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // sharing)
-
-
 def cpu_place(cpu: int, sysfs: Path = Path("/sys/devices/system/cpu")) -> tuple[int, int, int]:
     """(NUMA node, socket, physical core) of a logical CPU, from sysfs; (0, 0, cpu) where it does not say."""
     top = sysfs / f"cpu{cpu}"
@@ -124,15 +118,16 @@ class ProcessTrials:
         self.standbys: list[subprocess.Popen] = []
         self.child_setup = CHILD_SETUP  # run in each child before it starts: dies with the sweeper (and pins)
 
-    def pinned(self, device: str, sharing: int = 1, cores: list[int] | None = None) -> ProcessTrials:
-        """The same trials, their processes seeing only GPU `device` (CUDA_VISIBLE_DEVICES) and, where `sharing`
-        trials run side by side, their share of the host's cores (OMP_NUM_THREADS, unless the user set it): each
-        torch process otherwise starts one thread per core, and concurrent trials then oversubscribe the CPU for
-        the model build and data work that precede their GPU steps. With `cores`, the processes run only on those
-        (sched_setaffinity), so two devices' trials never share a core."""
+    def pinned(self, device: str, cores: list[int] | None = None) -> ProcessTrials:
+        """The same trials, their processes seeing only GPU `device` (CUDA_VISIBLE_DEVICES). With `cores`, they run
+        only on those (sched_setaffinity), with as many OpenMP threads (unless the user set OMP_NUM_THREADS).
+
+        Without `cores`, concurrent trials keep torch's default of one thread per core each: on a 2 x H200 host, two
+        trials at once took 29.5 s with it and 32.7 s with half the threads each, 33.5 s pinned to halves
+        (benchmarks/README.md, multi_gpu_sweep.py contention); the model build, on the CPU, lost most."""
         env = {**self.env, "CUDA_VISIBLE_DEVICES": device}
-        if sharing > 1 and "OMP_NUM_THREADS" not in env:
-            env["OMP_NUM_THREADS"] = str(len(cores) if cores else cpu_share(sharing))
+        if cores and "OMP_NUM_THREADS" not in env:
+            env["OMP_NUM_THREADS"] = str(len(cores))
         trials = ProcessTrials(self.app_argv, self.sweep_dir, self.timeout_s, env, self.prestart)
         if cores:
             trials.child_setup = _pinned_setup(cores)
