@@ -25,9 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from sweep_strategies_gpu import config_overrides, data_overrides, make_data  # noqa: E402
-
-from memfit.sweep.trials import cpu_share  # noqa: E402
+from sweep_strategies_gpu import EFFECTIVE_BATCH, config_overrides, data_overrides, make_data  # noqa: E402
 
 CONFIGS = [(16, 512, 256), (8, 1024, 512), (8, 512, 256)]
 STEPS = 20
@@ -59,7 +57,7 @@ def arm(
         ]
         script.append(" ".join(command) + f" > {work / tag}.log 2>&1")
     work.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": device, "OMP_NUM_THREADS": str(cpu_share(2))}  # as the sweeper
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": device}  # torch's default threads, as the sweeper's trials now
     return subprocess.Popen(["bash", "-c", " ; ".join(script)], cwd=ROOT, env=env)
 
 
@@ -92,13 +90,48 @@ def read_arm(name: str, args: argparse.Namespace, configs: list) -> list[dict]:
                 "peak_reserved_gib": history("mem/peak_reserved_gib", run_id) if run_id else [],
                 "window_s": history("train/window_s", run_id) if run_id else [],
                 "new_shapes": history("train/new_shapes", run_id) if run_id else [],
+                "padding_share": history("train/padding_share", run_id) if run_id else [],
             }
         )
     return rows
 
 
-def segment_estimates(row: dict, segment: int) -> dict:
-    """What a `segment`-step trial would report under each rule, against the same run's later steps."""
+def epoch_plan_for(args: argparse.Namespace, data: Path, config: list[int]) -> object:
+    """The epoch's batch plan of one configuration over this benchmark's data (memfit.throughput)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from memfit.config import register_configs
+    from memfit.data import load_and_tokenize, model_columns
+    from memfit.models import build_tokenizer
+    from memfit.throughput import run_epoch_plan
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    overrides = [f"model={args.model}", *data_overrides(data, args.tokenizer), *config_overrides(*config), *args.set]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    return run_epoch_plan(cfg, model_columns(load_and_tokenize(cfg, build_tokenizer(cfg.model)).datasets["train"]))
+
+
+def plan_estimate(row: dict, segment: int, plan: object) -> float | None:
+    """What memfit's epoch estimate (memfit.throughput) makes of the first `segment` steps of this run."""
+    from memfit.throughput import StepTimeModel, Window, epoch_tokens_per_s
+
+    accumulation = -(-EFFECTIVE_BATCH // row["config"][0])
+    windows = []
+    for rate, seconds, new, share in list(
+        zip(row["step_tokens_per_s"], row["window_s"], row["new_shapes"], row["padding_share"], strict=True)
+    )[1:segment]:
+        tokens = rate * seconds
+        windows.append(Window(round(tokens), seconds, round(tokens / (1 - share)), accumulation, int(new)))
+    model = StepTimeModel.fit(windows)
+    return epoch_tokens_per_s(model, plan) if model else None
+
+
+def segment_estimates(row: dict, segment: int, plan: object | None = None) -> dict:
+    """What a `segment`-step trial would report under each rule, against the same run's later steps and against
+    its first epoch (after the first step)."""
     windows = list(zip(row["step_tokens_per_s"], row["window_s"], row["new_shapes"], strict=True))
 
     def rate(ws: list) -> float | None:
@@ -112,6 +145,11 @@ def segment_estimates(row: dict, segment: int) -> dict:
         "seen_shapes_only": rate(seen or first[1:]),  # memfit now: leave out windows that met a new shape
         "windows_with_new_shapes": sum(w[2] > 0 for w in first),
         "long_run_reference": rate(later[len(later) // 2 :]),  # the second half of the rest: shapes mostly seen
+        # memfit's epoch estimate from the same steps and the epoch's batch plan, against the first epoch's rate
+        "epoch_plan": plan_estimate(row, segment, plan) if plan is not None and row.get("padding_share") else None,
+        "epoch_reference": rate(windows[1 : plan.micro_batches // -(-EFFECTIVE_BATCH // row["config"][0])])
+        if plan is not None
+        else None,
     }
 
 
@@ -153,7 +191,9 @@ def main() -> None:
         for name in arms:
             for row in out[name]:
                 if len(row["window_s"]) == LONG_STEPS:
-                    row["estimates"] = {n: segment_estimates(row, n) for n in (5, 10)}
+                    plan = epoch_plan_for(args, data, row["config"])
+                    row["epoch_plan"] = vars(plan)
+                    row["estimates"] = {n: segment_estimates(row, n, plan) for n in (5, 10)}
     Path(args.out).write_text(json.dumps(out, indent=1))
     for name in arms:
         for row in out[name]:

@@ -44,6 +44,9 @@ def test_tiny_run_records_loss_beside_peak_memory(compose_cfg, tmp_path, model):
     )
     assert summary["summary/train_tokens"] > 0 and "eval/loss" in summary
     assert summary["summary/tokens_per_s"] > 0 and summary["summary/tokens_per_s_with_warmup"] > 0
+    assert report.epoch_tokens_per_s == summary["summary/epoch_tokens_per_s"] > 0  # the epoch's, from its plan
+    padding = [m.value for m in client.get_metric_history(recorded.info.run_id, "train/padding_share")]
+    assert len(padding) == 3 and all(0 <= share < 1 for share in padding)
     assert recorded.data.params["memory.name"] == "balanced"
     assert recorded.data.params["trainer.batch_size"] == "2"
     assert recorded.data.tags["memfit.model"] == model
@@ -111,14 +114,16 @@ def test_a_local_checkpoint_is_loaded_instead_of_random_weights(compose_cfg, tmp
 
 def test_throughput_leaves_the_first_steps_warm_up_out():
     from memfit.meter import HostMeter
+    from memfit.throughput import Window
     from memfit.tracking import NullTracker
     from memfit.training import MemoryLoggingCallback
 
     callback = MemoryLoggingCallback(HostMeter(), NullTracker(), collator=None, max_train_tokens=None)
     assert callback.steady_tokens_per_s is None  # nothing trained yet: the run falls back to tokens / wall time
-    callback._windows = [(100, 10.0)]  # one window only: it is all warm-up, nothing steady to report
+    callback.windows = [Window(100, 10.0, 120, 1, 1)]  # one window only: all warm-up, nothing steady to report
     assert callback.steady_tokens_per_s is None
-    callback._windows += [(100, 1.0), (300, 1.0)]  # a slow first step (optimizer state, autotuning), then steady
+    # a slow first step (optimizer state, autotuning), then steady
+    callback.windows += [Window(100, 1.0, 120, 1, 0), Window(300, 1.0, 320, 1, 0)]
     assert callback.steady_tokens_per_s == 200.0
 
 

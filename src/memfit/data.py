@@ -391,6 +391,8 @@ class CountingCollator:
         self.last_shape: dict[str, tuple[int, ...]] = {}  # the batch training took last: what an OOM hit
         self.seen_shapes: set[tuple] = set()  # padded shapes training has taken: a first sight costs warm-up
         self.new_shapes = 0  # micro-batches whose padded shape training had not taken before
+        self.padded_tokens = 0  # tokens with padding of the batches training has taken: what the device computed
+        self.micro_batches = 0
         # Collated but not yet trained on: the dataloader runs one batch ahead of training (accelerate looks ahead
         # for the end of the data), so counting at collation would count a batch that training never took.
         self._pending: collections.deque = collections.deque()
@@ -408,16 +410,21 @@ class CountingCollator:
         batch = self.inner(features)
         if self.counting:
             tokens = sum(len(f["input_ids"]) for f in features)
+            padded_tokens = batch["input_ids"].numel()
             if self.count_labels:
                 tokens += sum(len(f["labels"]) for f in features)
-            self._pending.append((tokens, {k: tuple(v.shape) for k, v in batch.items() if hasattr(v, "shape")}))
+                padded_tokens += batch["labels"].numel()
+            shapes = {k: tuple(v.shape) for k, v in batch.items() if hasattr(v, "shape")}
+            self._pending.append((tokens, padded_tokens, shapes))
         return batch
 
     def consume(self) -> None:
         """Training takes the oldest collated batch (batches are trained in the order they were collated)."""
         if self._pending:
-            tokens, self.last_shape = self._pending.popleft()
+            tokens, padded_tokens, self.last_shape = self._pending.popleft()
             self.tokens += tokens
+            self.padded_tokens += padded_tokens
+            self.micro_batches += 1
             shape = tuple(sorted(self.last_shape.items()))
             if shape not in self.seen_shapes:
                 self.seen_shapes.add(shape)

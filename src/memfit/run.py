@@ -38,6 +38,7 @@ class RunReport:
     max_batch: int | None = None
     label_coverage: float | None = None
     tokens_per_s: float | None = None
+    epoch_tokens_per_s: float | None = None  # a whole epoch's, from the segment's steps and the epoch's batch plan
     final_loss: float | None = None  # the last logged training loss
     eval_loss: float | None = None  # evaluation loss at the last step, when there is validation data
     train_tokens: int | None = None
@@ -331,6 +332,7 @@ def _train(cfg: DictConfig, ctx: dict[str, Any]) -> RunReport:
     with_warmup = totals.tokens / totals.wall_s if totals.wall_s > 0 else 0.0
     tokens_per_s = ctx["callback"].steady_tokens_per_s or with_warmup
     retries = ctx["callback"].alloc_retries
+    epoch_rate = _epoch_tokens_per_s(cfg, ctx)
     summary = {
         "summary/peak_allocated_gib": overall.allocated_gib,
         "summary/peak_reserved_gib": overall.reserved_gib,
@@ -346,6 +348,8 @@ def _train(cfg: DictConfig, ctx: dict[str, Any]) -> RunReport:
             "but those steps waited for the device (tokens/s is lower than with headroom)",
             retries,
         )
+    if epoch_rate is not None:
+        summary["summary/epoch_tokens_per_s"] = epoch_rate
     if totals.final_loss is not None:
         summary["summary/final_loss"] = totals.final_loss
     if totals.eval_loss is not None:
@@ -357,12 +361,25 @@ def _train(cfg: DictConfig, ctx: dict[str, Any]) -> RunReport:
         peak_allocated_gib=overall.allocated_gib,
         peak_reserved_gib=overall.reserved_gib,
         tokens_per_s=tokens_per_s,
+        epoch_tokens_per_s=epoch_rate,
         final_loss=totals.final_loss,
         eval_loss=totals.eval_loss,
         train_tokens=totals.tokens,
         steps=totals.steps,
         alloc_retries=retries,
     )
+
+
+def _epoch_tokens_per_s(cfg: DictConfig, ctx: dict[str, Any]) -> float | None:
+    """A whole epoch's tokens/s: the step-time model fitted to the segment's steps after the first (which builds the
+    optimizer state) applied to the epoch's batch plan (memfit.throughput). None with too few steps to fit."""
+    from memfit.throughput import StepTimeModel, epoch_tokens_per_s, run_epoch_plan
+
+    model = StepTimeModel.fit(ctx["callback"].windows[1:])
+    if model is None:
+        return None
+    plan = run_epoch_plan(cfg, ctx["trainer"].train_dataset)
+    return epoch_tokens_per_s(model, plan)
 
 
 def _prepare_training(cfg: DictConfig, ctx: dict[str, Any]) -> None:

@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 
 from memfit.data import CountingCollator
 from memfit.meter import CudaMeter, HostMeter
+from memfit.throughput import Window
 
 # Trainer log keys → memfit metric names (`train/...`, `eval/...`), so the MLflow UI groups them.
 _RENAMES = {"loss": "train/loss", "learning_rate": "train/learning_rate", "grad_norm": "train/grad_norm"}
@@ -56,9 +57,8 @@ class MemoryLoggingCallback:
         self.meter, self.tracker, self.collator = meter, tracker, collator
         self.max_train_tokens = max_train_tokens
         self._last_time = 0.0
-        self._last_tokens = 0
-        self._windows: list[tuple[int, float]] = []  # (tokens, seconds) between a train log and the log before it
-        self._last_new_shapes = 0
+        self._last = (0, 0, 0, 0)  # the collator's tokens, padded tokens, micro-batches, new shapes at the last log
+        self.windows: list[Window] = []  # between a train log and the log before it
         self._retries_before = 0
 
     @property
@@ -67,9 +67,9 @@ class MemoryLoggingCallback:
         which a short timed segment (a sweep trial's) would otherwise count as slowness. Later windows that met a
         new padded shape (`train/new_shapes`) stay in: leaving them out did not bring 5- or 10-step estimates
         closer to a long run's throughput on the H200 (benchmarks/README.md, trial_throughput_gpu.py)."""
-        steady = self._windows[1:]
-        seconds = sum(s for _, s in steady)
-        return sum(t for t, _ in steady) / seconds if steady and seconds > 0 else None
+        steady = self.windows[1:]
+        seconds = sum(w.seconds for w in steady)
+        return sum(w.tokens for w in steady) / seconds if steady and seconds > 0 else None
 
     @property
     def alloc_retries(self) -> int:
@@ -79,8 +79,11 @@ class MemoryLoggingCallback:
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._retries_before = self.meter.alloc_retries()
         self.meter.reset_window()
-        self._last_time, self._last_tokens = time.perf_counter(), self.collator.tokens
-        self._last_new_shapes = self.collator.new_shapes
+        self._last_time, self._last = time.perf_counter(), self._counts()
+
+    def _counts(self) -> tuple[int, int, int, int]:
+        c = self.collator
+        return c.tokens, c.padded_tokens, c.micro_batches, c.new_shapes
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.tracker.flush()  # a checkpoint's steps are in MLflow: a resumed run's history has no gap
@@ -100,14 +103,16 @@ class MemoryLoggingCallback:
         metrics[prefix + "peak_allocated_gib"] = peak.allocated_gib
         metrics[prefix + "peak_reserved_gib"] = peak.reserved_gib
         metrics[prefix + "alloc_retries"] = self.alloc_retries  # cumulative since training began
-        now, tokens, new_shapes = time.perf_counter(), self.collator.tokens, self.collator.new_shapes
+        now, counts = time.perf_counter(), self._counts()
         if "loss" in logs and now > self._last_time:
-            window_tokens, window_s = tokens - self._last_tokens, now - self._last_time
-            metrics["train/tokens_per_s"] = window_tokens / window_s
-            metrics["train/window_s"] = window_s  # wall seconds since the last log (one step at logging_steps=1)
-            metrics["train/new_shapes"] = new_shapes - self._last_new_shapes  # > 0: paid a new shape's warm-up
-            self._windows.append((window_tokens, window_s))
-        self._last_time, self._last_tokens, self._last_new_shapes = now, tokens, new_shapes
+            tokens, padded_tokens, micro_batches, new_shapes = (a - b for a, b in zip(counts, self._last, strict=True))
+            window = Window(tokens, now - self._last_time, padded_tokens, micro_batches, new_shapes)
+            metrics["train/tokens_per_s"] = window.tokens / window.seconds
+            metrics["train/window_s"] = window.seconds  # wall seconds since the last log (one step at logging_steps=1)
+            metrics["train/new_shapes"] = window.new_shapes  # > 0: paid a new shape's warm-up
+            metrics["train/padding_share"] = 1 - window.tokens / window.padded_tokens if window.padded_tokens else 0.0
+            self.windows.append(window)
+        self._last_time, self._last = now, counts
         self.tracker.log_metrics(metrics, step=state.global_step)
         loss = metrics.get("train/loss", metrics.get("eval/loss"))
         if loss is not None and not math.isfinite(loss):

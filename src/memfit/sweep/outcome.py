@@ -30,6 +30,7 @@ ATTRS = (
     "worst_case_peak_gib",
     "worst_case_shape",
     "tokens_per_s",
+    "epoch_tokens_per_s",  # the epoch's tokens/s estimated from the segment and the epoch's batch plan
     "label_coverage",
     "final_loss",
     "eval_loss",
