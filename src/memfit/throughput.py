@@ -120,11 +120,10 @@ def epoch_plan(
 
 def run_epoch_plan(cfg: DictConfig, train_dataset: Any) -> EpochPlan:
     """The epoch plan of a run's config over its tokenized training data (input_ids, and labels where present)."""
-    source = [len(ids) for ids in train_dataset["input_ids"]]
-    has_labels = "labels" in train_dataset.column_names
+    source = _lengths(train_dataset, "input_ids")
     return epoch_plan(
         source,
-        [len(ids) for ids in train_dataset["labels"]] if has_labels else source,
+        _lengths(train_dataset, "labels") if "labels" in train_dataset.column_names else source,
         batch=cfg.trainer.batch_size,
         accumulation=cfg.trainer.gradient_accumulation_steps,
         multiple=cfg.memory.pad_to_multiple_of,
@@ -132,6 +131,14 @@ def run_epoch_plan(cfg: DictConfig, train_dataset: Any) -> EpochPlan:
         group_by_length=cfg.memory.group_by_length,
         seed=cfg.trainer.seed,
     )
+
+
+def _lengths(dataset: Any, column: str) -> np.ndarray:
+    """Each row's sequence length, read from the Arrow column (no Python list per row: a large dataset's
+    token ids would otherwise be materialised at the end of every run)."""
+    import pyarrow.compute as pc
+
+    return pc.list_value_length(dataset.with_format("arrow")[column]).to_numpy(zero_copy_only=False)
 
 
 def epoch_tokens_per_s(model: StepTimeModel, plan: EpochPlan) -> float:
