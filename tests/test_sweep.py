@@ -43,6 +43,13 @@ def test_a_fitting_run_is_feasible_unless_coverage_is_too_low():
     assert not outcome_of(report, None, 23.5, ["throughput"], 0.99).feasible
 
 
+def test_epoch_throughput_is_the_reports_epoch_estimate():
+    report = {"status": "ok", "worst_case_peak_gib": 20.0, "tokens_per_s": 1234.0, "epoch_tokens_per_s": 987.0}
+    assert outcome_of(report, None, 23.5, ["epoch_throughput"], 0.0).value == 987.0
+    assert outcome_of(report, None, 23.5, ["throughput"], 0.0).value == 1234.0
+    assert outcome_of(report, None, 23.5, ["epoch_throughput"], 0.0).attrs["epoch_tokens_per_s"] == 987.0
+
+
 def test_a_crash_is_a_failed_trial_with_its_reason():
     outcome = outcome_of(None, "ValueError: boom", 23.5, ["throughput"], 0.0)
     assert outcome.state == "fail" and outcome.attrs["reason"] == "ValueError: boom"

@@ -44,6 +44,7 @@ def _describe(trial: Any, names: list[str]) -> dict[str, Any]:
         "params": trial.params,
         "worst_case_peak_gib": trial.user_attrs.get("worst_case_peak_gib"),
         "tokens_per_s": trial.user_attrs.get("tokens_per_s"),
+        "epoch_tokens_per_s": trial.user_attrs.get("epoch_tokens_per_s"),
         "label_coverage": trial.user_attrs.get("label_coverage"),
     }
 
@@ -82,6 +83,7 @@ def summarise(study: Any, sweep: Any, parent: Any) -> dict[str, Any] | None:
         "best_params": best.params,
         "worst_case_peak_gib": best.user_attrs.get("worst_case_peak_gib"),
         "tokens_per_s": best.user_attrs.get("tokens_per_s"),
+        "epoch_tokens_per_s": best.user_attrs.get("epoch_tokens_per_s"),
         "label_coverage": best.user_attrs.get("label_coverage"),
         "preset": str(preset),
     }
