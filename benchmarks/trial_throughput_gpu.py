@@ -10,6 +10,10 @@ The live pegasus_large sweep at 24 GiB measured (16, 512, 256) at 35.3k tokens/s
 Recorded per step from the run's MLflow store: tokens/s, the step's real tokens, and the caching allocator's
 cumulative `num_alloc_retries` (each retry frees the cache and synchronises the device to fit under the cap).
 Warm-up shows as slow first steps in both arms; cap pressure as retries and slow steps in the capped arm only.
+
+segment: four configurations trained 80 steps each under the cap; for 5- and 10-step segments of each run, what a
+trial would report under each rule, and memfit's epoch estimate (memfit.throughput: the segment's step times
+applied to the epoch's batch plan, `epoch_plan`) against the same run's first-epoch rate (`epoch_reference`).
 """
 
 from __future__ import annotations
