@@ -103,6 +103,16 @@ def _pinned_setup(cores: list[int]) -> Any:
     return setup
 
 
+def _give(proc: subprocess.Popen, job: dict[str, Any]) -> bool:
+    """Write a trial process its one line (memfit.sweep.standby) and close its input; False if it died first."""
+    try:
+        proc.stdin.write(json.dumps(job) + "\n")
+        proc.stdin.close()
+    except (BrokenPipeError, OSError):
+        return False
+    return True
+
+
 class ProcessTrials:
     """`python <app> <overrides> hydra.run.dir=<sweep dir>/<job>` per trial; up to len(batch) at once.
 
@@ -161,14 +171,8 @@ class ProcessTrials:
         """Give a trial to a waiting standby; None where none is alive to take it."""
         while self.standbys:
             proc = self.standbys.pop(0)
-            if proc.poll() is not None:
-                continue
-            try:
-                proc.stdin.write(json.dumps({"overrides": overrides, "log": str(log_path)}) + "\n")
-                proc.stdin.close()
-            except (BrokenPipeError, OSError):  # it died as we wrote
-                continue
-            return proc
+            if proc.poll() is None and _give(proc, {"overrides": overrides, "log": str(log_path)}):
+                return proc
         return None
 
     def close(self) -> None:
@@ -205,8 +209,7 @@ class ProcessTrials:
         trial runs and ends the same way."""
         with open(log_path, "w") as log_file:  # the child holds its own descriptor
             proc = self._spawn(log_file, on_demand=True)
-        proc.stdin.write(json.dumps({"overrides": argv}) + "\n")
-        proc.stdin.close()
+        _give(proc, {"overrides": argv})  # one that died at once is reported by its exit status
         return proc
 
     def _wait(self, proc: Any, job_dir: Path, start: float) -> TrialResult:
