@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import time
@@ -116,6 +117,16 @@ def trial_logs(sweep_dir: Path, lines: int = 80) -> dict[str, list[str]]:
     return logs
 
 
+def trial_jobs(sweep_dir: Path) -> dict[str, int]:
+    """Which Optuna trial each job directory ran (its `tracking.run_name=trial-N` override)."""
+    jobs = {}
+    for path in sorted(sweep_dir.glob("*/.hydra/overrides.yaml")):
+        found = re.search(r"tracking\.run_name=trial-(\d+)", path.read_text())
+        if found:
+            jobs[path.parent.parent.name] = int(found.group(1))
+    return jobs
+
+
 def host_layout() -> dict:
     """What the host gives the sweep: usable CPUs, their cores and NUMA nodes, and how the GPUs sit among them."""
     import os
@@ -150,6 +161,7 @@ def run(args: argparse.Namespace) -> None:
         *sweep_command(args, data, work / "outputs", work / "sweep", work / "presets"),
         devices_override,
         f"hydra.sweeper.prestart={str(args.prestart).lower()}",
+        f"hydra.sweeper.prestart_ahead={args.prestart_ahead}",
         f"hydra.sweeper.pin_cores={str(args.pin_cores).lower()}",
     ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
@@ -180,6 +192,7 @@ def run(args: argparse.Namespace) -> None:
         "n_trials": args.n_trials,
         "space": args.space or SPACES[args.model],
         "prestart": args.prestart,
+        "prestart_ahead": args.prestart_ahead,
         "pin_cores": args.pin_cores,
         "seed": args.seed,
         "exit_code": done.returncode,
@@ -197,6 +210,7 @@ def run(args: argparse.Namespace) -> None:
         "stderr_tail": done.stderr[-4000:],
         "stdout_tail": done.stdout[-30000:],  # the sweeper's log: when it asked, launched and told each trial
         "trial_logs": trial_logs(work / "sweep"),
+        "trial_jobs": trial_jobs(work / "sweep"),
     }
     Path(args.out).write_text(json.dumps(out, indent=1, default=str))
     print(json.dumps({k: out[k] for k in ("devices", "exit_code", "wall_s", "trials_run", "trials_per_hour")}))
@@ -214,9 +228,9 @@ def summarise(args: argparse.Namespace) -> None:
     print(
         "| run | GPUs | trials run | wall s | trials/hour | speed-up | first trial after s"
         " | trials/hour, first trial start to last trial end | speed-up | mean trial s | slot idle"
-        " | SM idle (per GPU) |"
+        " | SM idle (per GPU) | trials that waited for their standby's imports (mean wait s) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     base = steady_base = None
     for path, r in zip(args.files, results, strict=True):
         ran = ran_trials(r)
@@ -231,8 +245,53 @@ def summarise(args: argparse.Namespace) -> None:
             f"| {Path(path).stem} | {len(r['devices'])} | {len(ran)} | {r['wall_s']:.0f} | {per_hour:.1f} "
             f"| {per_hour / base:.2f}× | {r['first_trial_after_s']:.1f} | {steady:.1f} | {steady / steady_base:.2f}× "
             f"| {sum(t['end'] - t['start'] for t in ran) / len(ran):.1f} "
-            f"| {1 - busy / (r['wall_s'] * len(r['devices'])):.0%} | {sm} |"
+            f"| {1 - busy / (r['wall_s'] * len(r['devices'])):.0%} | {sm} | {standby_waits(r)} |"
         )
+    print("\n| run | trials | mean s | to first log | model build | preflight | training | exit |")
+    print("|---|---|---|---|---|---|---|---|")
+    for path, r in zip(args.files, results, strict=True):
+        p = sweep_phases(r)
+        if p:
+            cells = " | ".join(
+                f"{p[n]:.1f}" for n in ("wall", "to_first_log", "model_build", "preflight", "training", "exit")
+            )
+            print(f"| {Path(path).stem} | {p['trials']} | {cells} |")
+
+
+def sweep_phases(result: dict) -> dict[str, float]:
+    """Mean seconds of each phase of the trials that ran to the end without calibrating the memory model, from
+    their logs: the sweeper's start of the trial to its first log line (a standby's wait for its imports, Hydra
+    compose, tokenization), model build (MLflow run, audit, model), preflight, training, exit (done to told)."""
+    ran = [t for t in result["trials"] if t["ran"] and not t.get("not_run")]
+    by_number = {t["number"]: t for t in ran}
+    jobs = result.get("trial_jobs") or {  # files written before trial_jobs: jobs were numbered in start order
+        str(job): t["number"] for job, t in enumerate(sorted(ran, key=lambda t: t["start"]))
+    }
+    rows = []
+    for job, lines in result.get("trial_logs", {}).items():
+        trial = by_number.get(jobs.get(job))
+        text = "\n".join(lines)
+        if trial is None or "memory model: calibrated" in text or "- done:" not in text:
+            continue
+        phases = log_phases_from(lines, trial["start"], trial["end"])
+        if "training" in phases:
+            rows.append(phases)
+    names = ["wall", "to_first_log", "model_build", "preflight", "training", "exit"]
+    return {"trials": len(rows), **{n: sum(r[n] for r in rows) / len(rows) for n in names}} if rows else {}
+
+
+def standby_waits(result: dict) -> str:
+    """How many prestarted trials waited for their standby's imports, from the trial logs' `standby:` lines."""
+    waits = []
+    for lines in result.get("trial_logs", {}).values():
+        for line in lines:
+            if "[memfit.standby]" in line:
+                found = re.search(r"waited ([\d.]+) s", line)
+                waits.append(float(found.group(1)) if found else 0.0)
+    if not waits:
+        return "–"
+    waited = [w for w in waits if w > 0]
+    return f"{len(waited)}/{len(waits)} ({sum(waited) / max(len(waited), 1):.1f})"
 
 
 CONTENTION_CONFIG = (8, 768, 384)
@@ -249,9 +308,13 @@ PHASE_MARKS = (("model_built", "params,"), ("done", "- done:"))
 def log_phases(log: Path, started: float, ended: float) -> dict[str, float | None]:
     """Seconds of each phase of one trial process, from its log lines' timestamps (the preflight ends with the
     empty line that opens the training's output)."""
+    return log_phases_from(log.read_text(errors="replace").splitlines(), started, ended)
+
+
+def log_phases_from(lines: list[str], started: float, ended: float) -> dict[str, float | None]:
     stamps = {}
-    for line in log.read_text(errors="replace").splitlines():
-        if not line.startswith("[20"):
+    for line in lines:
+        if not line.startswith("[20") or "[memfit.standby]" in line:  # the standby's line comes before the trial's
             continue
         when = datetime.strptime(line[1:24], "%Y-%m-%d %H:%M:%S,%f").timestamp()
         stamps.setdefault("first_log", when)
@@ -349,6 +412,7 @@ def main() -> None:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--wide", action="store_true", help="the wider space of WIDE_SPACES (for longer sweeps)")
     r.add_argument("--no-prestart", dest="prestart", action="store_false", help="hydra.sweeper.prestart=false")
+    r.add_argument("--prestart-ahead", type=int, default=1, help="hydra.sweeper.prestart_ahead")
     r.add_argument("--pin-cores", action="store_true", help="hydra.sweeper.pin_cores=true")
     r.add_argument("--out", required=True)
     r.add_argument("--work", default="/tmp/memfit-multi-gpu")

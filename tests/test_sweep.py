@@ -61,11 +61,12 @@ def test_the_sweeper_plugin_is_discovered():
 
 
 TRIAL_APP = """
-import json, os, sys
+import gc, json, os, sys
 from pathlib import Path
 run_dir = Path([a for a in sys.argv if a.startswith("hydra.run.dir=")][0].split("=", 1)[1])
 print("trial output")
 report = {"pid": os.getpid(), "argv": sys.argv[1:], "torch_imported": "torch" in sys.modules}
+report["frozen"] = gc.get_freeze_count()
 (run_dir / "report.json").write_text(json.dumps(report))
 """
 
@@ -73,6 +74,7 @@ report = {"pid": os.getpid(), "argv": sys.argv[1:], "torch_imported": "torch" in
 def test_a_prestarted_trial_process_has_paid_its_imports_and_runs_only_its_own_overrides(tmp_path):
     """hydra.sweeper.prestart: the next trial's process imports while the current trial runs, then takes its
     overrides; a standby that died is replaced by a process started on demand; unused standbys end at once."""
+    import re
     import sys
 
     from memfit.sweep.trials import ProcessTrials, trial_env
@@ -80,25 +82,52 @@ def test_a_prestarted_trial_process_has_paid_its_imports_and_runs_only_its_own_o
     app = tmp_path / "app.py"
     app.write_text(TRIAL_APP)
     trials = ProcessTrials([sys.executable, str(app), "--config-name", "x"], tmp_path / "s", None, trial_env(), True)
-    trials.keep_ready(1)
-    standby = trials.standbys[0]
+    trials.keep_ready(2)  # hydra.sweeper.prestart_ahead=2: two trials' time to import
+    standby, after = trials.standbys
 
-    [first] = trials.launch([["a=1"]], 0, standby=1)
+    [first] = trials.launch([["a=1"]], 0, standby=2)
     assert first.report["pid"] == standby.pid and first.report["torch_imported"]  # imports paid before the trial
+    assert first.report["frozen"] > 100_000  # the imports' objects, out of the collector's sight
     assert first.report["argv"] == ["--config-name", "x", "a=1", f"hydra.run.dir={tmp_path / 's' / '0'}"]
-    assert (tmp_path / "s" / "0" / "trial.log").read_text().strip() == "trial output"
+    readiness, output = (tmp_path / "s" / "0" / "trial.log").read_text().strip().splitlines()
+    waited = r"(, done [\d.]+ s before its trial was due|; its trial waited [\d.]+ s for them)$"
+    assert re.search(r"\]\[memfit.standby\]\[INFO\] - standby: imports took [\d.]+ s" + waited, readiness)
+    assert output == "trial output"
+    assert trials.standbys[0] is after and len(trials.standbys) == 2  # the older one goes first; two kept ahead
 
-    dead = trials.standbys[0]  # the one kept ready for the next trial
+    for proc in trials.standbys[1:]:
+        proc.kill()
+        proc.wait()
+    trials.standbys = trials.standbys[:1]
+
+    [second] = trials.launch([["a=2"]], 1)  # the process ahead took it, the moment it was due
+    assert second.report["pid"] == after.pid
+
+    trials.keep_ready(1)
+    dead = trials.standbys[0]
     dead.kill()
     dead.wait()
-    [second] = trials.launch([["a=2"]], 1)
-    assert second.report["pid"] != dead.pid and not second.report["torch_imported"]  # started on demand
-    assert second.report["argv"][-2] == "a=2"
+    [third] = trials.launch([["a=3"]], 2)
+    assert third.report["pid"] != dead.pid and not third.report["torch_imported"]  # started on demand
+    assert third.report["frozen"] == 0
+    assert third.report["argv"][-2] == "a=3"
 
     trials.keep_ready(1)
     unused = trials.standbys[0]
     trials.close()  # ended at once, without running anything
-    assert unused.returncode is not None and not trials.standbys and not (tmp_path / "s" / "2").exists()
+    assert unused.returncode is not None and not trials.standbys and not (tmp_path / "s" / "3").exists()
+
+
+def test_a_standby_says_whether_its_trial_waited_for_its_imports():
+    from memfit.sweep.standby import readiness
+
+    assert readiness(6.25, ready_at=100.0, sent_at=103.5) == (
+        "standby: imports took 6.2 s, done 3.5 s before its trial was due"
+    )
+    assert (
+        readiness(12.0, ready_at=110.0, sent_at=108.0)
+        == "standby: imports took 12.0 s; its trial waited 2.0 s for them"
+    )
 
 
 EXITING_APP = """
@@ -562,6 +591,7 @@ def test_a_budget_ladder_reuses_measurements_and_writes_one_preset_per_budget(tm
             "hydra.sweeper.devices pins each trial's process to a GPU",
         ),
         (["hydra.sweeper.pin_cores=true"], "hydra.sweeper.pin_cores gives each device's trials their own cores"),
+        (["hydra.sweeper.prestart_ahead=0"], "hydra.sweeper.prestart_ahead=0: keep at least 1 process ahead"),
         (
             ["trainer.batch_size=choice(2,4)", "memory.max_label_length=8", "data.max_train_samples=48"],
             "memory.max_label_length=8 keeps",

@@ -29,6 +29,10 @@ class MemfitSweeperConf:
     # torch, transformers, MLflow) are paid off the device's clock; it touches no device before its trial begins.
     # Costs one idle process's memory (~0.5 GB) per slot and some CPU beside the running trial
     prestart: bool = True
+    # trial processes kept importing ahead per slot: each gets two trials' time to import. On a 2 x H200 host whose
+    # imports took 17-24 s against ~15 s trials, 1 ahead left 10 of 16 trials waiting for them (4.8 s each), 2 left 2
+    # (benchmarks/README.md); costs one more idle process (~0.5 GB of host memory) per slot
+    prestart_ahead: int = 2
     trial_timeout_s: float | None = None  # process isolation: a trial still running after this is killed, FAIL
     # several workers on one study (a shared storage): a trial whose worker stops beating for 3 × heartbeat_s is
     # failed and queued again by the others; workers with nothing left to ask poll every poll_s. null: no heartbeat

@@ -117,6 +117,11 @@ class BudgetSweep:
             raise SweepConfigError(
                 "hydra.sweeper.devices pins each trial's process to a GPU: it needs hydra.sweeper.isolation=process"
             )
+        if s.prestart_ahead < 1:
+            raise SweepConfigError(
+                f"hydra.sweeper.prestart_ahead={s.prestart_ahead}: keep at least 1 process ahead per slot, or set "
+                "hydra.sweeper.prestart=false for none"
+            )
         if s.pin_cores and not s.devices:
             raise SweepConfigError(
                 "hydra.sweeper.pin_cores gives each device's trials their own cores: it needs hydra.sweeper.devices"
@@ -639,7 +644,8 @@ class BudgetSweep:
         with self.lock:  # job directories are numbered across device threads
             first_job, self.job_idx = self.job_idx, self.job_idx + len(batch)
         try:
-            results = runner.launch(batch, first_job, standby=len(batch) if self._expects_more(study) else 0)
+            ahead = len(batch) * self.settings.prestart_ahead if self._expects_more(study) else 0
+            results = runner.launch(batch, first_job, standby=ahead)
         finally:
             for beat in beats:
                 beat.join()
@@ -668,11 +674,12 @@ class BudgetSweep:
     def _prestart(self) -> None:
         """The first trials' processes start their imports now, while the sweeper opens the study and screens the
         data: one per device, or one per trial of a batch."""
+        ahead = self.settings.prestart_ahead
         if self.runners:
             for runner in self.runners.values():
-                runner.keep_ready(1)
+                runner.keep_ready(ahead)
         else:
-            self.trials.keep_ready(self.settings.n_jobs)
+            self.trials.keep_ready(self.settings.n_jobs * ahead)
 
     def _sweep_budgets(self, space: dict[str, Any], fixed: list[str]) -> list[Any]:
         budgets = sorted(float(b) for b in self.settings.budgets or [])

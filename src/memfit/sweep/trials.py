@@ -171,7 +171,8 @@ class ProcessTrials:
         """Give a trial to a waiting standby; None where none is alive to take it."""
         while self.standbys:
             proc = self.standbys.pop(0)
-            if proc.poll() is None and _give(proc, {"overrides": overrides, "log": str(log_path)}):
+            job = {"overrides": overrides, "log": str(log_path), "sent": time.time()}
+            if proc.poll() is None and _give(proc, job):
                 return proc
         return None
 
