@@ -79,6 +79,7 @@ def probe_context(cfg, device: str) -> tuple[dict, object]:
         cap=apply_budget(cfg, device, meter.total_bytes()),
         tracker=start_tracking(cfg, "memory-model-benchmark", {}),
         resume=run.ResumePoint(),
+        clock=run.StartupClock(),
     )
     run._prepare_training(cfg, ctx)
     return ctx, run._probe_setup(cfg, ctx)

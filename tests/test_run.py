@@ -45,6 +45,10 @@ def test_tiny_run_records_loss_beside_peak_memory(compose_cfg, tmp_path, model):
     assert summary["summary/train_tokens"] > 0 and "eval/loss" in summary
     assert summary["summary/tokens_per_s"] > 0 and summary["summary/tokens_per_s_with_warmup"] > 0
     assert report.epoch_tokens_per_s == summary["summary/epoch_tokens_per_s"] > 0  # the epoch's, from its plan
+    startup = {k: v for k, v in summary.items() if k.startswith("startup/")}  # every phase before the preflight
+    phases = ("checks", "tokenizer", "data", "device", "tracking", "audit", "model", "trainer")
+    assert set(startup) == {f"startup/{phase}_s" for phase in phases} and all(v >= 0 for v in startup.values())
+    assert startup["startup/data_s"] == summary["audit/seconds"]
     padding = [m.value for m in client.get_metric_history(recorded.info.run_id, "train/padding_share")]
     assert len(padding) == 3 and all(0 <= share < 1 for share in padding)
     assert recorded.data.params["memory.name"] == "balanced"

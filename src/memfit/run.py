@@ -96,6 +96,25 @@ def _is_oom(err: BaseException) -> bool:
     return isinstance(err, torch.OutOfMemoryError | OutOfMemoryInTraining) or "out of memory" in str(err).lower()
 
 
+class StartupClock:
+    """Seconds of each phase before the preflight, one lap after another, so that every second of a run's start is
+    counted in some phase (a phase includes the imports it triggers, none in a prestarted sweep trial): where a
+    short sweep trial spends its time, and what two trials at once slow down."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, phase: str) -> float:
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._last
+        self._last = now
+        return self.seconds[phase]
+
+    def summary(self) -> str:
+        return ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in self.seconds.items())
+
+
 def _log_audit(prepared: Any, tracker: Any) -> None:
     from memfit.audit import plot_histogram, render_table
 
@@ -391,6 +410,7 @@ def _prepare_training(cfg: DictConfig, ctx: dict[str, Any]) -> None:
     from memfit.training import build_trainer, make_callback
 
     built = build_model(cfg, ctx["tokenizer"], ctx["device"])
+    ctx["clock"].lap("model")
     ctx["tracker"].log_params(
         {
             "memfit.random_weights": built.random_weights,
@@ -417,6 +437,7 @@ def _prepare_training(cfg: DictConfig, ctx: dict[str, Any]) -> None:
         collator=collator,
         trainer=build_trainer(cfg, built.model, ctx["tokenizer"], ready, args, collator, callbacks),
     )
+    ctx["clock"].lap("trainer")
 
 
 @dataclass
@@ -473,6 +494,7 @@ def _fill_from_preflight(report: RunReport, preflight: Any, audit: Any, ctx: dic
 
 def run(cfg: DictConfig) -> RunReport:
     """Validate and load data (bad input raises before any model load or record), then audit, preflight, train."""
+    clock = StartupClock()
     validate(cfg)
     apply_allocator_env(cfg.memory)  # before anything initialises CUDA
     from memfit.preconditions import check_before_run, check_budget
@@ -489,19 +511,22 @@ def run(cfg: DictConfig) -> RunReport:
 
     device = resolve_device(cfg)
     set_seed(cfg.trainer.seed)
+    clock.lap("checks")
     tokenizer = build_tokenizer(cfg.model)
-    started = time.perf_counter()
+    clock.lap("tokenizer")
     prepared = load_and_tokenize(cfg, tokenizer)
-    audit_seconds = time.perf_counter() - started
+    audit_seconds = clock.lap("data")
     meter = make_meter(device)
     if problems := check_budget(cfg, device, meter.total_bytes()):
         raise ConfigError(problems)
     cap = apply_budget(cfg, device, meter.total_bytes())
+    clock.lap("device")  # on CUDA: the context's start
     log.info("device %s, memory meter: %s, budget: %s", device, meter.label, cap.label)
     resume = find_resume_point(cfg)
     tracker = start_tracking(cfg, run_name(cfg), run_tags(cfg, device, meter.label), run_id=resume.run_id)
     remember_run(cfg, tracker, resume)
     ctx: dict[str, Any] = dict(
+        clock=clock,
         cfg=cfg,
         device=device,
         tokenizer=tokenizer,
@@ -515,9 +540,13 @@ def run(cfg: DictConfig) -> RunReport:
     try:
         tracker.log_params(flatten(cfg))
         tracker.log_text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
+        clock.lap("tracking")
         _log_audit(prepared, tracker)
         tracker.log_metrics({"audit/seconds": audit_seconds}, step=0)
+        clock.lap("audit")
         _prepare_training(cfg, ctx)
+        log.info("start-up: %s", clock.summary())
+        tracker.log_metrics({f"startup/{phase}_s": seconds for phase, seconds in clock.seconds.items()}, step=0)
         if cfg.estimate_only:
             report = _estimate(cfg, ctx)
         else:
