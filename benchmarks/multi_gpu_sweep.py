@@ -249,13 +249,19 @@ def summarise(args: argparse.Namespace) -> None:
         )
     print("\n| run | trials | mean s | to first log | model build | preflight | training | exit |")
     print("|---|---|---|---|---|---|---|---|")
-    for path, r in zip(args.files, results, strict=True):
-        p = sweep_phases(r)
+    phases = {path: sweep_phases(r) for path, r in zip(args.files, results, strict=True)}
+    for path, p in phases.items():
         if p:
             cells = " | ".join(
                 f"{p[n]:.1f}" for n in ("wall", "to_first_log", "model_build", "preflight", "training", "exit")
             )
             print(f"| {Path(path).stem} | {p['trials']} | {cells} |")
+    startup = sorted({k for p in phases.values() for k in p if k.startswith("startup_")}, key=list(STARTUP).index)
+    if startup:
+        print("\n| run | " + " | ".join(k.removeprefix("startup_") for k in startup) + " |")
+        print("|---|" + "---|" * len(startup))
+        for path, p in phases.items():
+            print(f"| {Path(path).stem} | " + " | ".join(f"{p.get(k, float('nan')):.2f}" for k in startup) + " |")
 
 
 def sweep_phases(result: dict) -> dict[str, float]:
@@ -275,9 +281,23 @@ def sweep_phases(result: dict) -> dict[str, float]:
             continue
         phases = log_phases_from(lines, trial["start"], trial["end"])
         if "training" in phases:
-            rows.append(phases)
+            rows.append({**phases, **startup_phases(lines)})
     names = ["wall", "to_first_log", "model_build", "preflight", "training", "exit"]
-    return {"trials": len(rows), **{n: sum(r[n] for r in rows) / len(rows) for n in names}} if rows else {}
+    names += [n for n in dict.fromkeys(k for r in rows for k in r) if n.startswith("startup_")]
+    means = {n: sum(r[n] for r in rows if n in r) / max(1, sum(n in r for r in rows)) for n in names}
+    return {"trials": len(rows), **means} if rows else {}
+
+
+STARTUP = [f"startup_{n}" for n in ("checks", "tokenizer", "data", "device", "tracking", "audit", "model", "trainer")]
+
+
+def startup_phases(lines: list[str]) -> dict[str, float]:
+    """The run's own `start-up:` line (memfit.run.StartupClock), where the trial logged one."""
+    for line in lines:
+        if "] - start-up: " in line:
+            found = re.findall(r"(\w+) ([\d.]+) s", line.split("] - start-up: ", 1)[1])
+            return {f"startup_{name}": float(seconds) for name, seconds in found}
+    return {}
 
 
 def standby_waits(result: dict) -> str:
