@@ -99,7 +99,8 @@ class MlflowTracker:
             self.set_tags(tags)
         else:
             experiment_id = self._experiment_id(experiment, artifact_location)
-            self.run_id = self.client.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id
+            masked = {key: mask_credentials(str(value))[:5000] for key, value in tags.items()}
+            self.run_id = self.client.create_run(experiment_id, run_name=run_name, tags=masked).info.run_id
         self._buffer: list[Any] = []
         self._last_flush = time.monotonic()
         log.info("MLflow run %s (%s) in %s", run_name, self.run_id, mask_credentials(uri))
@@ -142,8 +143,13 @@ class MlflowTracker:
             self.flush()
 
     def set_tags(self, tags: dict[str, str]) -> None:
-        for key, value in tags.items():
-            self.client.set_tag(self.run_id, key, mask_credentials(str(value))[:5000])
+        """One write for all of them (a sweep trial sets a dozen on the run the sweeper created: one store
+        transaction each, with set_tag, against a store that every concurrent trial writes to)."""
+        from mlflow.entities import RunTag
+
+        items = [RunTag(key, mask_credentials(str(value))[:5000]) for key, value in tags.items()]
+        for start in range(0, len(items), 100):  # MLflow takes at most 100 tags per batch
+            self.client.log_batch(self.run_id, tags=items[start : start + 100])
 
     def log_text(self, text: str, artifact_file: str) -> None:
         self.client.log_text(self.run_id, mask_credentials(text), artifact_file)
