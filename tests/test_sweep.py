@@ -340,6 +340,25 @@ def test_a_configuration_measured_before_is_told_from_that_measurement_not_run_a
     assert told.constraints == {"memory_gib": -2.5}
 
 
+def test_of_two_workers_asking_one_configuration_at_once_only_the_earlier_trial_measures_it():
+    """Two workers' trials both hold the same configuration, RUNNING, before either has checked the other: the
+    lower-numbered one runs, the other is told as surplus (before, each saw the other and neither ran)."""
+    from memfit.sweep import BudgetSweep
+
+    sweep = BudgetSweep()
+    sweep.objectives = ["throughput"]
+    study = optuna.create_study(direction="maximize")
+    space = {"trainer.batch_size": optuna.distributions.CategoricalDistribution([4, 8])}
+    study.enqueue_trial({"trainer.batch_size": 8})
+    study.enqueue_trial({"trainer.batch_size": 8})
+    first, second = study.ask(space), study.ask(space)
+    assert sweep._told_without_running(study, second, None)  # checked first, but the later trial of the two
+    assert not sweep._told_without_running(study, first, None)  # runs
+    told = study.trials[second.number]
+    assert told.state == optuna.trial.TrialState.FAIL and told.user_attrs["status"] == "surplus"
+    assert f"trial {first.number} (another worker) is measuring" in told.user_attrs["reason"]
+
+
 def test_a_label_length_below_the_coverage_floor_is_told_from_the_data_not_run(compose_cfg):
     from memfit.data import load_and_tokenize
     from memfit.models import build_tokenizer

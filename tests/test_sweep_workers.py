@@ -84,8 +84,8 @@ def _check_study_and_mlflow(storage: str, tracking: str, n_trials: int) -> list:
     assert len(finished) == len(trials), [(t.number, t.state.name) for t in trials]
     assert len(trials) - len(retries) <= n_trials <= len(trials), [(t.number, t.state.name) for t in trials]
     assert len({t.number for t in trials}) == len(trials)
-    seeds = [t.params["trainer.seed"] for t in trials if "retry_of" not in t.user_attrs]
-    assert len(set(seeds)) == len(seeds)  # no configuration measured twice (a retry re-measures a killed one)
+    configs = [tuple(sorted(t.params.items())) for t in trials if "retry_of" not in t.user_attrs]
+    assert len(set(configs)) == len(configs)  # none measured twice (a retry re-measures a killed one)
     complete = [t for t in finished if t.state == optuna.trial.TrialState.COMPLETE]
     assert all(t.values and t.user_attrs["status"] == "ok" for t in complete)
     client = MlflowClient(tracking)

@@ -391,9 +391,16 @@ class BudgetSweep:
         far over the budget."""
         import optuna
 
-        finished = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-        running = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
-        measuring = [t for t in running if self._counts_as_run(t) and t.params == params and t.number != number]
+        complete, running = optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.RUNNING
+        # one read of both: a trial another worker completes between two reads would be in neither
+        current = study.get_trials(deepcopy=False, states=(complete, running))
+        finished = [t for t in current if t.state == complete]
+        # of two workers that ask the same configuration at once, the one with the lower trial number measures it
+        measuring = [
+            t
+            for t in current
+            if t.state == running and self._counts_as_run(t) and t.params == params and t.number < number
+        ]
         if measuring:
             reason = f"not run: trial {measuring[0].number} (another worker) is measuring this configuration now"
             return {"status": "surplus", "reason": reason}, None, {}
