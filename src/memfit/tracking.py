@@ -73,6 +73,15 @@ class NullTracker:
         pass
 
 
+def _batches(items: list[Any], size: int) -> list[list[Any]]:
+    return [items[start : start + size] for start in range(0, len(items), size)]
+
+
+def _tag_value(value: Any) -> str:
+    """A tag as MLflow stores it: credentials masked, within its 5000-character limit."""
+    return mask_credentials(str(value))[:5000]
+
+
 class MlflowTracker:
     """One MLflow run, held through MlflowClient so that several runs never share global state."""
 
@@ -99,7 +108,7 @@ class MlflowTracker:
             self.set_tags(tags)
         else:
             experiment_id = self._experiment_id(experiment, artifact_location)
-            masked = {key: mask_credentials(str(value))[:5000] for key, value in tags.items()}
+            masked = {key: _tag_value(value) for key, value in tags.items()}
             self.run_id = self.client.create_run(experiment_id, run_name=run_name, tags=masked).info.run_id
         self._buffer: list[Any] = []
         self._last_flush = time.monotonic()
@@ -130,8 +139,8 @@ class MlflowTracker:
         if changed:
             self.client.set_tag(self.run_id, "memfit.changed_params", ",".join(changed)[:5000])
         items = [Param(k, str(v)[:6000]) for k, v in params.items() if k not in existing]
-        for start in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
-            self.client.log_batch(self.run_id, params=items[start : start + 100])
+        for batch in _batches(items, 100):  # MLflow takes at most 100 params per batch
+            self.client.log_batch(self.run_id, params=batch)
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         """Buffered; written in one batch once flush_every_s has passed, and at finish."""
@@ -147,9 +156,8 @@ class MlflowTracker:
         transaction each, with set_tag, against a store that every concurrent trial writes to)."""
         from mlflow.entities import RunTag
 
-        items = [RunTag(key, mask_credentials(str(value))[:5000]) for key, value in tags.items()]
-        for start in range(0, len(items), 100):  # MLflow takes at most 100 tags per batch
-            self.client.log_batch(self.run_id, tags=items[start : start + 100])
+        for batch in _batches([RunTag(key, _tag_value(value)) for key, value in tags.items()], 100):
+            self.client.log_batch(self.run_id, tags=batch)  # MLflow takes at most 100 tags per batch
 
     def log_text(self, text: str, artifact_file: str) -> None:
         self.client.log_text(self.run_id, mask_credentials(text), artifact_file)
@@ -159,8 +167,8 @@ class MlflowTracker:
 
     def flush(self) -> None:
         buffered, self._buffer = self._buffer, []
-        for start in range(0, len(buffered), self.max_batch):
-            self.client.log_batch(self.run_id, metrics=buffered[start : start + self.max_batch])
+        for batch in _batches(buffered, self.max_batch):
+            self.client.log_batch(self.run_id, metrics=batch)
         self._last_flush = time.monotonic()
 
     def finish(self, status: str = "FINISHED", reason: str | None = None) -> None:
@@ -168,7 +176,7 @@ class MlflowTracker:
             self.flush()
         finally:
             if reason:
-                self.client.set_tag(self.run_id, "memfit.reason", mask_credentials(reason)[:5000])
+                self.client.set_tag(self.run_id, "memfit.reason", _tag_value(reason))
             self.client.set_terminated(self.run_id, status=status)
 
     def status(self) -> str:

@@ -680,7 +680,7 @@ class BudgetSweep:
 
     def _prestart(self) -> None:
         """The first trials' processes start their imports now, while the sweeper opens the study and screens the
-        data: one per device, or one per trial of a batch."""
+        data: prestart_ahead per device, or per trial of a batch."""
         ahead = self.settings.prestart_ahead
         if self.runners:
             for runner in self.runners.values():
