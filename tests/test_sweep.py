@@ -340,6 +340,23 @@ def test_a_configuration_measured_before_is_told_from_that_measurement_not_run_a
     assert told.constraints == {"memory_gib": -2.5}
 
 
+def test_no_more_processes_are_started_ahead_than_trials_are_still_to_come():
+    from memfit.sweep import BudgetSweep
+
+    sweep = BudgetSweep(n_trials=3, prestart_ahead=2, budgets=None)
+    study = optuna.create_study(direction="maximize")
+    space = {"trainer.batch_size": optuna.distributions.CategoricalDistribution([4, 8])}
+    assert sweep._standbys_wanted(study, 1) == 2
+    study.tell(study.ask(space), 1.0)
+    study.ask(space)  # running: one done, one running, one still to come
+    assert sweep._standbys_wanted(study, 1) == 1
+    study.ask(space)
+    assert sweep._standbys_wanted(study, 1) == 0
+    ladder = BudgetSweep(n_trials=3, prestart_ahead=2, budgets=[16, 24])
+    ladder.budget_gib = 16  # the 24 GiB study comes after this one: its trials need processes too
+    assert ladder._standbys_wanted(study, 1) == 2
+
+
 def test_of_two_workers_asking_one_configuration_at_once_only_the_earlier_trial_measures_it():
     """Two workers' trials both hold the same configuration, RUNNING, before either has checked the other: the
     lower-numbered one runs, the other is told as surplus (before, each saw the other and neither ran)."""

@@ -474,11 +474,14 @@ class BudgetSweep:
         running = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
         return len([t for t in running if self._counts_as_run(t)])
 
-    def _expects_more(self, study: Any) -> bool:
-        """Whether trials beyond those now running are still to come (worth a standby process): in this study, or
-        in a larger budget of the ladder after it."""
-        more_budgets = bool(self.settings.budgets) and self.budget_gib != max(self.settings.budgets)
-        return more_budgets or self._new_trials_done(study) + self._running(study) < self.settings.n_trials
+    def _standbys_wanted(self, study: Any, slots: int) -> int:
+        """Processes worth starting ahead for `slots` trial slots: prestart_ahead each, but no more than the trials
+        still to come beyond those now running (a larger budget of the ladder after this one counts as more)."""
+        wanted = slots * self.settings.prestart_ahead
+        if self.settings.budgets and self.budget_gib != max(self.settings.budgets):
+            return wanted
+        to_come = self.settings.n_trials - self._new_trials_done(study) - self._running(study)
+        return max(0, min(wanted, to_come))
 
     @staticmethod
     def _waiting_retries(study: Any) -> int:
@@ -651,8 +654,7 @@ class BudgetSweep:
         with self.lock:  # job directories are numbered across device threads
             first_job, self.job_idx = self.job_idx, self.job_idx + len(batch)
         try:
-            ahead = len(batch) * self.settings.prestart_ahead if self._expects_more(study) else 0
-            results = runner.launch(batch, first_job, standby=ahead)
+            results = runner.launch(batch, first_job, standby=self._standbys_wanted(study, len(batch)))
         finally:
             for beat in beats:
                 beat.join()
@@ -681,12 +683,12 @@ class BudgetSweep:
     def _prestart(self) -> None:
         """The first trials' processes start their imports now, while the sweeper opens the study and screens the
         data: prestart_ahead per device, or per trial of a batch."""
-        ahead = self.settings.prestart_ahead
+        ahead, n_trials = self.settings.prestart_ahead, self.settings.n_trials
         if self.runners:
             for runner in self.runners.values():
-                runner.keep_ready(ahead)
+                runner.keep_ready(min(ahead, n_trials))
         else:
-            self.trials.keep_ready(self.settings.n_jobs * ahead)
+            self.trials.keep_ready(min(self.settings.n_jobs * ahead, n_trials))
 
     def _sweep_budgets(self, space: dict[str, Any], fixed: list[str]) -> list[Any]:
         budgets = sorted(float(b) for b in self.settings.budgets or [])
