@@ -88,6 +88,7 @@ def test_a_prestarted_trial_process_has_paid_its_imports_and_runs_only_its_own_o
     [first] = trials.launch([["a=1"]], 0, standby=2)
     assert first.report["pid"] == standby.pid and first.report["torch_imported"]  # imports paid before the trial
     assert first.report["frozen"] > 100_000  # the imports' objects, out of the collector's sight
+    assert first.standby_wait_s > 0  # due at once: it waited for the imports it had only begun
     assert first.report["argv"] == ["--config-name", "x", "a=1", f"hydra.run.dir={tmp_path / 's' / '0'}"]
     readiness, output = (tmp_path / "s" / "0" / "trial.log").read_text().strip().splitlines()
     waited = r"(, done [\d.]+ s before its trial was due|; its trial waited [\d.]+ s for them)$"
@@ -101,7 +102,7 @@ def test_a_prestarted_trial_process_has_paid_its_imports_and_runs_only_its_own_o
     trials.standbys = trials.standbys[:1]
 
     [second] = trials.launch([["a=2"]], 1)  # the process ahead took it, the moment it was due
-    assert second.report["pid"] == after.pid
+    assert second.report["pid"] == after.pid and second.standby_wait_s >= 0
 
     trials.keep_ready(1)
     dead = trials.standbys[0]
@@ -109,13 +110,24 @@ def test_a_prestarted_trial_process_has_paid_its_imports_and_runs_only_its_own_o
     dead.wait()
     [third] = trials.launch([["a=3"]], 2)
     assert third.report["pid"] != dead.pid and not third.report["torch_imported"]  # started on demand
-    assert third.report["frozen"] == 0
+    assert third.report["frozen"] == 0 and third.standby_wait_s is None
     assert third.report["argv"][-2] == "a=3"
 
     trials.keep_ready(1)
     unused = trials.standbys[0]
     trials.close()  # ended at once, without running anything
     assert unused.returncode is not None and not trials.standbys and not (tmp_path / "s" / "3").exists()
+
+
+def test_the_sweeper_advises_starting_processes_earlier_when_trials_often_wait_for_them():
+    from memfit.sweep.trials import standby_hint
+
+    assert standby_hint([], 2) is None
+    assert standby_hint([0.0, 0.0, 0.0, 2.0, 0.2], 2) is None  # one in five waited a second or more
+    assert standby_hint([0.0, 3.0, 0.0, 5.0], 2) == (
+        "2 of 4 trials waited for their process's imports (4.0 s on average): hydra.sweeper.prestart_ahead=3 starts "
+        "each one a trial earlier"
+    )
 
 
 def test_a_standby_says_whether_its_trial_waited_for_its_imports():
@@ -209,6 +221,7 @@ def test_the_readme_budget_sweep_finds_and_exports_a_preset(readme_budget_sweep,
     assert all(t.constraints for t in study.trials)  # a constraint on every trial, told ones included
     ran = [t for t in study.trials if not t.user_attrs.get("not_run")]
     assert len(ran) <= 6 and len({tuple(sorted(t.params.items())) for t in ran}) == len(ran)  # none ran twice
+    assert all(t.user_attrs["standby_wait_s"] >= 0 for t in ran)  # each ran in a process started ahead of it
     told = [t for t in study.trials if t.user_attrs.get("not_run")]
     assert all(t.user_attrs["gpu_seconds"] == 0.0 and t.user_attrs["reason"].startswith("not run: ") for t in told)
     infeasible = [t for t in study.trials if t.constraints["memory_gib"] > 0]

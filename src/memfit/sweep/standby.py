@@ -50,6 +50,9 @@ WARM_MODULES = (
 )
 
 
+STANDBY_FILE = "standby.json"  # beside the trial's log: how long its imports took and its trial waited for them
+
+
 def warm_imports(modules: tuple[str, ...] = WARM_MODULES) -> None:
     for name in modules:
         with contextlib.suppress(Exception):  # an optional extra or a broken install: the trial reports it
@@ -126,8 +129,12 @@ def main() -> None:
     job = json.loads(line)
     if job.get("log"):
         _redirect_output(job["log"])
-    if not on_demand and "sent" in job:  # whether prestarting ahead paid off (benchmarks/multi_gpu_sweep.py)
+    if not on_demand and "sent" in job:  # whether prestarting ahead paid off: in the log, and for the sweeper
         _log_line(readiness(ready - started, ready, job["sent"]))
+        if job.get("log"):
+            waited = {"imports_s": ready - started, "waited_s": max(0.0, ready - job["sent"])}
+            with open(os.path.join(os.path.dirname(job["log"]), STANDBY_FILE), "w") as out:
+                json.dump(waited, out)
     sys.argv = [script, *app_args, *job["overrides"]]
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # what `python <script>` puts first on the path
     exit_now(run_script(script))

@@ -33,7 +33,7 @@ from memfit.sweep.outcome import (
 from memfit.sweep.results import ladder_table, log_pareto_plot, summarise
 from memfit.sweep.screen import LABEL, coverage_screen, data_lengths
 from memfit.sweep.space import SweepConfigError, dominated_by, held_accumulation, parse_search, repeat_of
-from memfit.sweep.trials import InProcessTrials, ProcessTrials, app_argv, core_sets, trial_env
+from memfit.sweep.trials import InProcessTrials, ProcessTrials, app_argv, core_sets, standby_hint, trial_env
 
 log = logging.getLogger("memfit.sweep")
 
@@ -317,6 +317,8 @@ class BudgetSweep:
         s = self.settings
         outcome = outcome_of(result.report, result.error, self._limit_gib(), self.objectives, s.coverage_floor)
         outcome.attrs["gpu_seconds"] = result.seconds
+        if result.standby_wait_s is not None:  # a prestarted trial process
+            outcome.attrs["standby_wait_s"] = result.standby_wait_s
         for key, value in outcome.attrs.items():
             if key != "run_id" or value:
                 trial.set_user_attr(key, value)
@@ -549,6 +551,9 @@ class BudgetSweep:
                 else:
                     self._run_trials(study, space, fixed, parent, show, self.trials)
             best = summarise(study, self, parent)
+            waits = [t.user_attrs["standby_wait_s"] for t in study.trials if "standby_wait_s" in t.user_attrs]
+            if hint := standby_hint(waits, self.settings.prestart_ahead):
+                log.info(hint)
             if parent is not None:
                 log_pareto_plot(study, self, parent)
         except BaseException as err:

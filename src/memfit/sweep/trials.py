@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from memfit.sweep.standby import STANDBY_FILE
+
 log = logging.getLogger("memfit.sweep")
 
 
@@ -31,6 +33,19 @@ class TrialResult:
     report: dict[str, Any] | None
     error: str | None  # why there is no report (or the run's own reason when it failed)
     seconds: float
+    standby_wait_s: float | None = None  # how long a prestarted process's imports kept its trial waiting
+
+
+def standby_hint(waits: list[float], ahead: int) -> str | None:
+    """Advice when prestarted processes were often still importing when their trials were due (a slow disk or
+    a busy host): start them earlier. None when under a quarter of the trials waited a second or more."""
+    waited = [w for w in waits if w >= 1.0]
+    if not waited or len(waited) * 4 < len(waits):
+        return None
+    return (
+        f"{len(waited)} of {len(waits)} trials waited for their process's imports ({sum(waited) / len(waited):.1f} s "
+        f"on average): hydra.sweeper.prestart_ahead={ahead + 1} starts each one a trial earlier"
+    )
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
@@ -199,6 +214,7 @@ class ProcessTrials:
             job_dir = self.sweep_dir / str(first_job + offset)
             job_dir.mkdir(parents=True, exist_ok=True)
             (job_dir / "report.json").unlink(missing_ok=True)
+            (job_dir / STANDBY_FILE).unlink(missing_ok=True)
             argv = [*overrides, f"hydra.run.dir={job_dir}"]
             proc = self._hand_to_standby(argv, job_dir / "trial.log") or self._start(argv, job_dir / "trial.log")
             started.append((proc, job_dir, time.monotonic()))
@@ -222,11 +238,13 @@ class ProcessTrials:
             timed_out = True
             proc.wait()
         seconds = time.monotonic() - start
+        standby = job_dir / STANDBY_FILE
+        wait = json.loads(standby.read_text())["waited_s"] if standby.exists() else None
         report_path = job_dir / "report.json"
         if report_path.exists() and not timed_out:
             report = json.loads(report_path.read_text())
-            return TrialResult(report, report.get("reason"), seconds)
-        return TrialResult(None, _why(proc.returncode, timed_out, self.timeout_s, job_dir / "trial.log"), seconds)
+            return TrialResult(report, report.get("reason"), seconds, wait)
+        return TrialResult(None, _why(proc.returncode, timed_out, self.timeout_s, job_dir / "trial.log"), seconds, wait)
 
 
 class InProcessTrials:
