@@ -48,6 +48,15 @@ def standby_hint(waits: list[float], ahead: int) -> str | None:
     )
 
 
+def _standby_wait(job_dir: Path) -> float | None:
+    """What the trial's standby wrote of its wait (memfit.sweep.standby); None for a process started on demand,
+    or one killed before it finished writing."""
+    try:
+        return float(json.loads((job_dir / STANDBY_FILE).read_text())["waited_s"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
     import ctypes
 
@@ -238,8 +247,7 @@ class ProcessTrials:
             timed_out = True
             proc.wait()
         seconds = time.monotonic() - start
-        standby = job_dir / STANDBY_FILE
-        wait = json.loads(standby.read_text())["waited_s"] if standby.exists() else None
+        wait = _standby_wait(job_dir)
         report_path = job_dir / "report.json"
         if report_path.exists() and not timed_out:
             report = json.loads(report_path.read_text())
