@@ -133,13 +133,8 @@ def test_the_sweeper_advises_starting_processes_earlier_when_trials_often_wait_f
 def test_a_standby_says_whether_its_trial_waited_for_its_imports():
     from memfit.sweep.standby import readiness
 
-    assert readiness(6.25, ready_at=100.0, sent_at=103.5) == (
-        "standby: imports took 6.2 s, done 3.5 s before its trial was due"
-    )
-    assert (
-        readiness(12.0, ready_at=110.0, sent_at=108.0)
-        == "standby: imports took 12.0 s; its trial waited 2.0 s for them"
-    )
+    assert readiness(6.25, waited_s=-3.5) == ("standby: imports took 6.2 s, done 3.5 s before its trial was due")
+    assert readiness(12.0, waited_s=2.0) == "standby: imports took 12.0 s; its trial waited 2.0 s for them"
 
 
 EXITING_APP = """

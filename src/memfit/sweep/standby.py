@@ -59,11 +59,12 @@ def warm_imports(modules: tuple[str, ...] = WARM_MODULES) -> None:
             importlib.import_module(name)
 
 
-def readiness(imports_s: float, ready_at: float, sent_at: float) -> str:
-    """How the standby's imports met its trial: paid before the trial was due, or how long the trial waited."""
-    if ready_at <= sent_at:
-        return f"standby: imports took {imports_s:.1f} s, done {sent_at - ready_at:.1f} s before its trial was due"
-    return f"standby: imports took {imports_s:.1f} s; its trial waited {ready_at - sent_at:.1f} s for them"
+def readiness(imports_s: float, waited_s: float) -> str:
+    """How the standby's imports met its trial: paid before the trial was due (waited_s ≤ 0: by how much), or how
+    long the trial waited."""
+    if waited_s <= 0:
+        return f"standby: imports took {imports_s:.1f} s, done {-waited_s:.1f} s before its trial was due"
+    return f"standby: imports took {imports_s:.1f} s; its trial waited {waited_s:.1f} s for them"
 
 
 def _log_line(message: str) -> None:
@@ -130,11 +131,11 @@ def main() -> None:
     if job.get("log"):
         _redirect_output(job["log"])
     if not on_demand and "sent" in job:  # whether prestarting ahead paid off: in the log, and for the sweeper
-        _log_line(readiness(ready - started, ready, job["sent"]))
+        imports_s, waited_s = ready - started, ready - job["sent"]
+        _log_line(readiness(imports_s, waited_s))
         if job.get("log"):
-            waited = {"imports_s": ready - started, "waited_s": max(0.0, ready - job["sent"])}
             with open(os.path.join(os.path.dirname(job["log"]), STANDBY_FILE), "w") as out:
-                json.dump(waited, out)
+                json.dump({"imports_s": imports_s, "waited_s": max(0.0, waited_s)}, out)
     sys.argv = [script, *app_args, *job["overrides"]]
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # what `python <script>` puts first on the path
     exit_now(run_script(script))
