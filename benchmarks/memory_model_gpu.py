@@ -23,6 +23,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,6 +44,23 @@ SHAPES = {
 # run 5 (after T5's attention terms were merged into one: four probes): fresh held-apart shapes for T5
 FRESH_SHAPES = {
     "t5_base": [(1, 2560, 1024), (3, 2048, 384), (6, 1408, 288), (12, 960, 200), (24, 576, 136), (2, 896, 1792)],
+}
+# run 6 (T5 under gradient checkpointing, calibrated branch by branch): shapes no earlier run measured, long sources
+# (the encoder's backward peaks) and long labels (the decoder's) both
+FRESH_SHAPES_CHECKPOINTED = {
+    "t5_base": [
+        (2, 4096, 128),
+        (1, 3840, 384),
+        (2, 2688, 640),
+        (4, 1664, 448),
+        (7, 1216, 320),
+        (14, 832, 232),
+        (28, 448, 176),
+        (32, 320, 144),
+        (3, 640, 1536),
+        (1, 1280, 2816),
+        (10, 384, 896),
+    ],
 }
 
 
@@ -119,7 +137,7 @@ def measure_model(name: str, checkpointing: bool, args, out: dict, save) -> None
 
     from memfit.audit import BatchShape
     from memfit.calibration import calibrate
-    from memfit.memory_model import describe_architecture, model_state_bytes
+    from memfit.memory_model import describe_architecture, model_state_bytes, splits_branches
     from memfit.preflight import probe
 
     overrides = [
@@ -158,7 +176,10 @@ def measure_model(name: str, checkpointing: bool, args, out: dict, save) -> None
         return
     baseline_state = accelerate_bytes(model, cfg.memory.precision)
     hidden = hidden_size(model)
-    shapes = FRESH_SHAPES[name] if args.fresh_shapes and name in FRESH_SHAPES else SHAPES[name]
+    fresh = FRESH_SHAPES_CHECKPOINTED if checkpointing else FRESH_SHAPES
+    shapes = fresh[name] if args.fresh_shapes and name in fresh else SHAPES[name]
+    if splits_branches(arch, checkpointing):  # record each branch's peak too (the hook only reads the meter)
+        setup = replace(setup, split_branches=True)
     for batch, source, label in shapes:
         shape = BatchShape(max(1, int(batch)), int(source * args.shapes_scale), int(label * args.shapes_scale))
         predicted = calibration.estimate(shape)
@@ -181,6 +202,8 @@ def measure_model(name: str, checkpointing: bool, args, out: dict, save) -> None
             row["allocated"], row["reserved"] = measured.peak.allocated, measured.peak.reserved
             row["backward"] = [measured.backward_peak.allocated, measured.backward_peak.reserved]
             row["step"] = [measured.step_peak.allocated, measured.step_peak.reserved]
+            if measured.branch_peaks:
+                row["branches"] = {branch: peak.allocated for branch, peak in measured.branch_peaks.items()}
         group["rows"].append(row)
         save()
         print(
@@ -259,7 +282,12 @@ def main() -> None:
     parser.add_argument("--tokenizer", default=None)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--shapes-scale", type=float, default=1.0)
-    parser.add_argument("--fresh-shapes", action="store_true", help="FRESH_SHAPES where a model has them (run 5)")
+    parser.add_argument(
+        "--fresh-shapes", action="store_true", help="FRESH_SHAPES(_CHECKPOINTED) where a model has them (runs 5, 6)"
+    )
+    parser.add_argument(
+        "--checkpointing", choices=["both", "on", "off"], default="both", help="which gradient checkpointing groups"
+    )
     parser.add_argument("--work", default="/tmp/memfit-memory-model")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -285,9 +313,9 @@ def main() -> None:
         path.write_text(json.dumps(out, indent=1))
 
     for name in args.models:
-        for checkpointing in (False, True):
+        for checkpointing in {"both": (False, True), "on": (True,), "off": (False,)}[args.checkpointing]:
             measure_model(name, checkpointing, args, out, save)
-    if args.device == "cuda":
+    if args.device == "cuda" and args.eight_bit:
         check_8bit_state(args, out, save)
     save()
     print(json.dumps(out["errors"], indent=1))

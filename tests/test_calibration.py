@@ -18,7 +18,7 @@ from memfit.calibration import (
     probe_plan,
     wanted,
 )
-from memfit.memory_model import Architecture, describe_architecture, model_state_bytes
+from memfit.memory_model import Architecture, describe_architecture, model_state_bytes, position_bias_bytes
 
 from .conftest import FAST
 from .test_preflight import _setup
@@ -110,12 +110,44 @@ def test_the_key_changes_with_model_policy_device_and_versions(compose_cfg, monk
     assert calibration_key(identity(base, "cpu", 512)) != key
 
 
-def test_attention_that_keeps_its_scores_under_checkpointing_is_not_calibrated(compose_cfg, tmp_path, caplog):
+def test_eager_causal_attention_under_checkpointing_is_not_calibrated(compose_cfg, tmp_path, caplog):
     cfg = compose_cfg(*TINY, "memory.gradient_checkpointing=true", f"calibration.cache_dir={tmp_path}")
-    t5_like = Architecture("seq2seq", 100, 2, 2, 2, quadratic_attention=True)
+    eager_causal = Architecture("causal", 100, 0, 2, 2, quadratic_attention=True)
     setup = SimpleNamespace(device="cpu")  # nothing is probed
-    assert calibrate(cfg, setup, t5_like, None) is None
+    assert calibrate(cfg, setup, eager_causal, None) is None
     assert "not calibrated" in caplog.text and not list(tmp_path.glob("*.json"))
+
+
+TINY_T5 = (
+    "model=t5_base",
+    *(f"model.architecture.{k}={v}" for k, v in dict(d_model=32, d_kv=8, d_ff=64, num_heads=2).items()),
+    "model.architecture.num_layers=2",
+    "model.architecture.num_decoder_layers=2",
+    *TINY[1:],
+)
+
+
+def test_t5_under_checkpointing_is_calibrated_branch_by_branch(compose_cfg, tmp_path):
+    """Each probe measures the decoder's and the encoder's backward apart (a grad hook on the encoder's output);
+    each branch is fitted alone, the position bias counted; the cached file gives back the same model."""
+    cfg = compose_cfg(*TINY_T5, "memory.gradient_checkpointing=true", f"calibration.cache_dir={tmp_path}/cal")
+    probed: list = []
+    fitted = _calibrate(cfg, probed)
+    arch = fitted.architecture
+    assert arch.relative_position_bias and probed == calibration_shapes(arch, 512, 8, 4, branches=True)
+    for p in fitted.probes:
+        assert p["decoder_allocated"] > 0 and p["encoder_allocated"] > 0
+        assert max(p["decoder_allocated"], p["encoder_allocated"]) == p["allocated"]  # the windows cover the step
+    bias = position_bias_bytes(arch)
+    assert fitted.fit.encoder.coefficients["position_bias"] == bias == fitted.fit.backward.coefficients["position_bias"]
+    assert (
+        "decoder_tokens" in fitted.fit.backward.coefficients and "decoder_tokens" not in fitted.fit.encoder.coefficients
+    )
+    again = Calibration.from_json((tmp_path / "cal" / f"{fitted.key}.json").read_text())
+    assert again.fit == fitted.fit
+    shape = probed[-1]
+    assert again.estimate(shape) == fitted.estimate(shape)
+    assert fitted.estimate(shape).phase in {"decoder backward", "encoder backward", "optimizer step"}
 
 
 def test_when_to_calibrate_and_how_large_the_probes_are(compose_cfg):

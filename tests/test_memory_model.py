@@ -11,13 +11,17 @@ from memfit.memory_model import (
     FittedPeak,
     LinearFit,
     ModelStateBytes,
+    decoder_branch_terms,
     describe_architecture,
+    encoder_branch_terms,
     estimate_peak,
     fit_terms,
     largest_batch,
     model_state_bytes,
     optimizer_state_bytes,
+    position_bias_bytes,
     shape_terms,
+    splits_branches,
 )
 from memfit.meter import GIB
 
@@ -96,7 +100,7 @@ def test_an_optimizer_not_modelled_says_so():
 
 # --- the per-token part ------------------------------------------------------------------------------------------
 SEQ2SEQ = Architecture("seq2seq", 32128, 12, 12, 12, quadratic_attention=False)
-T5_LIKE = Architecture("seq2seq", 32128, 12, 12, 12, quadratic_attention=True)
+T5_LIKE = Architecture("seq2seq", 32128, 12, 12, 12, quadratic_attention=True, relative_position_bias=True)
 EAGER = Architecture("seq2seq", 32128, 12, 12, 12, quadratic_attention=True, cross_attention_scores=True)
 CAUSAL = Architecture("causal", 151936, 0, 28, 12, quadratic_attention=False)
 
@@ -167,6 +171,58 @@ def test_the_largest_batch_predicted_to_fit_is_on_the_limit():
     assert largest_batch(fit, 8, 8, SEQ2SEQ, int(limit), upper=64) == 64
 
 
+# T5 under gradient checkpointing: the larger of two branches of backward
+DECODER_TRUTH = {"constant": 4.1e9, "encoder_tokens": 4.0e4, "decoder_tokens": 3.0e5, "attention_scores": 4.5}
+ENCODER_TRUTH = {"constant": 3.6e9, "encoder_tokens": 5.5e4, "attention_scores": 16.0}
+
+
+def _branched_fit() -> FittedPeak:
+    bias = {"position_bias": position_bias_bytes(T5_LIKE)}
+    return FittedPeak(LinearFit({**DECODER_TRUTH, **bias}), 3.5e9, 1.05, LinearFit({**ENCODER_TRUTH, **bias}))
+
+
+def test_only_checkpointed_encoder_decoders_that_keep_scores_split_into_branches():
+    assert splits_branches(T5_LIKE, True) and splits_branches(EAGER, True)
+    assert not splits_branches(T5_LIKE, False) and not splits_branches(SEQ2SEQ, True)
+    assert not splits_branches(Architecture("causal", 100, 0, 2, 2, quadratic_attention=True), True)
+
+
+def test_each_branch_fit_recovers_known_coefficients_from_the_branch_shapes():
+    """Four probes, each measured in both branches: the decoder's four free terms and the encoder's three are
+    recovered, the position bias counted (8 bytes per heads·n², and the int64 buckets) rather than fitted."""
+    from memfit.calibration import calibration_shapes
+
+    shapes = calibration_shapes(T5_LIKE, 4096, batch_scale=4, branches=True)
+    bias = {"position_bias": position_bias_bytes(T5_LIKE)}
+    assert bias["position_bias"] == pytest.approx(8 + 8 / 12)
+    for truth, terms in ((DECODER_TRUTH, decoder_branch_terms), (ENCODER_TRUTH, encoder_branch_terms)):
+        rows = [terms(s.batch, s.source, s.label, T5_LIKE) for s in shapes]
+        peaks = [LinearFit({**truth, **bias}).predict(row) for row in rows]
+        fit = fit_terms(rows, peaks, bias)
+        assert fit.coefficients == pytest.approx({**truth, **bias}, rel=1e-6)
+    assert len({(s.batch, s.source) for s in shapes}) == 4  # batch and source crossed, no pair probed twice
+
+
+def test_a_branched_peak_is_the_larger_branch_and_the_largest_batch_the_smaller_over_both():
+    fit, state = _branched_fit(), ModelStateBytes(1 * GIB, 1 * GIB, 2 * GIB)
+    long_source = estimate_peak(2, 3072, 128, T5_LIKE, state, fit)
+    long_label = estimate_peak(2, 256, 2048, T5_LIKE, state, fit)
+    assert long_source.phase == "encoder backward" and long_source.logits == 0  # the logits are freed by then
+    assert long_label.phase == "decoder backward" and long_label.logits == 4 * 2 * 2048 * T5_LIKE.vocab_size
+    encoder = LinearFit({**ENCODER_TRUTH, "position_bias": position_bias_bytes(T5_LIKE)})
+    assert long_source.allocated == round(encoder.predict(encoder_branch_terms(2, 3072, 128, T5_LIKE)))
+    small = estimate_peak(1, 64, 16, T5_LIKE, state, fit)
+    assert small.phase == "optimizer step" or small.allocated >= 3.5e9
+    limit = int(20 * GIB)
+    for source, label in ((3072, 128), (256, 2048), (1024, 512)):
+        batch = largest_batch(fit, source, label, T5_LIKE, limit, upper=512)
+        assert 0 < batch < 512
+        assert estimate_peak(batch, source, label, T5_LIKE, state, fit).reserved <= limit
+        assert estimate_peak(batch + 1, source, label, T5_LIKE, state, fit).reserved > limit
+    # the batch-free position bias alone over the limit: not one row fits
+    assert largest_batch(fit, 40000, 128, T5_LIKE, limit, upper=512) == 0
+
+
 def test_architectures_are_read_from_built_models(compose_cfg):
     from transformers import AutoConfig, AutoModelForSeq2SeqLM
 
@@ -181,6 +237,6 @@ def test_architectures_are_read_from_built_models(compose_cfg):
         AutoConfig.for_model("t5", d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2, vocab_size=64)
     )
     t5_arch = describe_architecture(t5, "seq2seq")
-    assert t5_arch.quadratic_attention  # its position bias is kept per score
+    assert t5_arch.quadratic_attention and t5_arch.relative_position_bias  # its position bias is kept per score
     # T5's cross-attention has no learned bias: unless attention is eager it takes the memory-efficient kernel
     assert t5_arch.cross_attention_scores == (t5.config._attn_implementation == "eager")

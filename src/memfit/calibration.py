@@ -1,5 +1,7 @@
 """Calibration of the memory model's per-token part: four cheap probes on the device, one per fitted term, fitted
 by least squares, cached per (model architecture, memory policy, device, library versions) so a sweep pays it once.
+Where a step's backward peaks in one of two branches (memory_model.splits_branches: T5 under gradient
+checkpointing), each probe measures the decoder's and the encoder's backward apart and each branch is fitted alone.
 
 A probe is the preflight's own measurement (forward, backward and optimizer steps on a batch of exactly that
 shape), so a calibrated model predicts what the preflight would measure: peak allocated and peak reserved. The fit
@@ -14,7 +16,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,15 +30,19 @@ from memfit.memory_model import (
     LinearFit,
     ModelStateBytes,
     PeakEstimate,
+    decoder_branch_terms,
+    encoder_branch_terms,
     estimate_peak,
     fit_terms,
     largest_batch,
+    position_bias_bytes,
     shape_terms,
+    splits_branches,
 )
 
 log = logging.getLogger(__name__)
 
-FORMAT = 4  # bump when what a calibration file holds or how it is fitted changes: old files are then not reused
+FORMAT = 5  # bump when what a calibration file holds or how it is fitted changes: old files are then not reused
 # memory knobs that change what a step holds for a given shape (lengths, padding and eval settings do not)
 POLICY_KNOBS = (
     "precision",
@@ -62,11 +68,13 @@ def calibration_shapes(
     multiple: int | None = None,
     batch_scale: int = 1,
     max_positions: int | None = None,
+    branches: bool = False,
 ) -> list[BatchShape]:
     """Four shapes whose terms vary independently: the constant, tokens per stack and, where attention keeps its
     scores, long against short sequences at the same tokens. `tokens` sizes the probes' lengths (capped at the
     model's positions), `batch_scale` multiplies their batch; every length is a multiple of 8 (or of
-    pad_to_multiple_of)."""
+    pad_to_multiple_of). With `branches`, the shapes vary each branch's terms independently: batch and source
+    length crossed (the encoder's), label length apart from them (the decoder's)."""
     step = max(8, multiple or 8)
 
     def length(n: float) -> int:
@@ -79,6 +87,13 @@ def calibration_shapes(
 
     if arch.task == "causal":
         return [shape(1, tokens / 4, 0), shape(2, tokens / 4, 0), shape(1, tokens / 2, 0), shape(4, tokens / 16, 0)]
+    if branches:
+        return [
+            shape(4, tokens / 8, tokens / 32),
+            shape(4, tokens / 4, tokens / 32),
+            shape(8, tokens / 8, tokens / 16),
+            shape(2, tokens / 4, tokens / 8),
+        ]
     return [
         shape(4, tokens / 8, tokens / 32),
         shape(4, tokens / 4, tokens / 32),
@@ -135,6 +150,7 @@ class Calibration:
                 LinearFit(data["fit"]["backward"]["coefficients"]),
                 data["fit"]["step_allocated"],
                 data["fit"]["reserved_ratio"],
+                LinearFit(data["fit"]["encoder"]["coefficients"]) if data["fit"].get("encoder") else None,
             ),
             probes=data["probes"],
             seconds=data["seconds"],
@@ -214,28 +230,43 @@ def cached(cfg: DictConfig, device: str) -> Calibration | None:
 
 def _measure(
     setup: Any, arch: Architecture, shapes: list[BatchShape], on_probe: Callable[[BatchShape], None] | None
-) -> tuple[list[dict[str, float]], list[dict[str, Any]]]:
-    """Each shape's terms and its measured forward + backward and optimizer-step peaks; stops at the first OOM."""
+) -> list[dict[str, Any]]:
+    """Each shape's measured forward + backward and optimizer-step peaks (and, where the setup splits them, each
+    branch's backward peak); stops at the first OOM."""
     from memfit.preflight import probe
 
-    rows, measured = [], []
+    measured = []
     for shape in shapes:
         if on_probe is not None:
             on_probe(shape)
         result = probe(setup, shape)[0]
         if result.oom:
             break
-        rows.append(shape_terms(shape.batch, shape.source, shape.label, arch))
-        measured.append(
-            {
-                **asdict(shape),
-                "allocated": result.backward_peak.allocated,
-                "reserved": result.backward_peak.reserved,
-                "step_allocated": result.step_peak.allocated,
-                "step_reserved": result.step_peak.reserved,
-            }
-        )
-    return rows, measured
+        row = {
+            **asdict(shape),
+            "allocated": result.backward_peak.allocated,
+            "reserved": result.backward_peak.reserved,
+            "step_allocated": result.step_peak.allocated,
+            "step_reserved": result.step_peak.reserved,
+        }
+        for branch, peak in (result.branch_peaks or {}).items():
+            row[f"{branch}_allocated"] = peak.allocated
+        measured.append(row)
+    return measured
+
+
+def _fit_backward(
+    arch: Architecture, measured: list[dict[str, Any]], branches: bool
+) -> tuple[LinearFit, LinearFit | None]:
+    """The backward fit, or the decoder's and the encoder's branch fits, with T5's position bias counted."""
+
+    def fit(terms: Any, peak: str) -> LinearFit:
+        rows = [terms(m["batch"], m["source"], m["label"], arch) for m in measured]
+        return fit_terms(rows, [m[peak] for m in measured], {"position_bias": position_bias_bytes(arch)})
+
+    if not branches:
+        return fit(shape_terms, "allocated"), None
+    return fit(decoder_branch_terms, "decoder_allocated"), fit(encoder_branch_terms, "encoder_allocated")
 
 
 def calibrate(
@@ -255,11 +286,11 @@ def calibrate(
     cache_dir = Path(cfg.calibration.cache_dir)
     if (found := load_cached(cache_dir, key)) is not None:
         return found
-    if arch.quadratic_attention and cfg.memory.gradient_checkpointing:
+    if arch.quadratic_attention and cfg.memory.gradient_checkpointing and arch.task == "causal":
         log.warning(
-            "memory model: not calibrated: with gradient checkpointing, attention that keeps its scores (eager, or "
-            "T5's position bias) peaks in the largest layer's recomputation, which a sum of terms does not model; "
-            "the preflight still measures the worst batch"
+            "memory model: not calibrated: with gradient checkpointing, a causal model's attention that keeps its "
+            "scores (eager) peaks in the largest layer's recomputation, which a sum of terms does not model; the "
+            "preflight still measures the worst batch"
         )
         return None
     with exclusive(cache_dir / f"{key}.lock") as mine:
@@ -285,15 +316,27 @@ def _fit_and_cache(
     ident: dict[str, Any],
 ) -> Calibration | None:
     cache_dir = Path(cfg.calibration.cache_dir)
+    branches = splits_branches(arch, cfg.memory.gradient_checkpointing)
+    if branches:
+        setup = replace(setup, split_branches=True)
     start = time.perf_counter()
     for tokens, scale in probe_plan(cfg, arch):
-        shapes = calibration_shapes(arch, tokens, cfg.memory.pad_to_multiple_of, scale, cfg.model.max_positions)
-        rows, measured = _measure(setup, arch, shapes, on_probe)
+        shapes = calibration_shapes(
+            arch, tokens, cfg.memory.pad_to_multiple_of, scale, cfg.model.max_positions, branches=branches
+        )
+        measured = _measure(setup, arch, shapes, on_probe)
         if len(measured) == len(shapes):
             break
         log.warning("memory model: a calibration probe did not fit the budget; probing smaller shapes")
+    if branches and any("encoder_allocated" not in m for m in measured):
+        log.warning(
+            "memory model: not calibrated: no gradient reached the encoder's output (a frozen encoder?), so the "
+            "probes could not measure the decoder's and the encoder's backward apart; the preflight still measures "
+            "the worst batch"
+        )
+        return None
     try:
-        backward = fit_terms(rows, [m["allocated"] for m in measured])
+        backward, encoder = _fit_backward(arch, measured, branches)
     except (ValueError, IndexError) as err:
         log.warning(
             "memory model: not calibrated (%s): set calibration.probe_tokens lower than %d so the probes fit",
@@ -307,6 +350,7 @@ def _fit_and_cache(
         backward,
         max(m["step_allocated"] for m in measured),
         sum(m["reserved"] / m["allocated"] for m in measured) / len(measured),
+        encoder,
     )
     calibration = Calibration(key, ident, arch, state, fit, measured, time.perf_counter() - start)
     cache_dir.mkdir(parents=True, exist_ok=True)

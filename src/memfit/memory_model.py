@@ -9,6 +9,7 @@ from probes on the device (issue 5); they are not estimated here.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,6 +116,9 @@ class Architecture:
     # has no learned bias and takes the memory-efficient kernel (measured on an H200: ~0.4 bytes per score per layer,
     # against ~9 for its self-attention; benchmarks/README.md)
     cross_attention_scores: bool = False
+    # T5's relative position bias: computed once per sequence, not per batch row, as a (q, k, heads) float32 lookup
+    # from (q, k) int64 buckets; with gradient checkpointing its first layer's recomputation holds it again
+    relative_position_bias: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -152,6 +156,7 @@ def describe_architecture(model: Any, task: str) -> Architecture:
         heads=_first(decoder, "decoder_attention_heads", "num_heads", "num_attention_heads", "n_head", default=1),
         quadratic_attention=attention == "eager" or position_bias,
         cross_attention_scores=attention == "eager" and task == "seq2seq",
+        relative_position_bias=position_bias,
     )
 
 
@@ -185,27 +190,74 @@ def logits_bytes(batch: int, source: int, label: int, arch: Architecture) -> int
     return 4 * batch * positions * arch.vocab_size
 
 
+def position_bias_bytes(arch: Architecture) -> float:
+    """Bytes per heads·q·k of T5's batch-free position bias: the float32 lookup and its gradient (4 + 4), and the int64
+    buckets its embedding's backward keeps (8 per q·k, shared by the heads). Counted, not fitted: four probes cannot
+    tell it from the batch terms of the same lengths (benchmarks/t5_checkpointing_fit.py)."""
+    return 8.0 + 8.0 / arch.heads
+
+
+def splits_branches(arch: Architecture, gradient_checkpointing: bool) -> bool:
+    """Whether a step's peak is the larger of two branches of backward rather than a sum of terms: an encoder-decoder
+    whose attention keeps its scores, under gradient checkpointing, peaks either in the decoder's backward (logits,
+    every kept checkpoint, the decoder layer recomputed) or in the encoder's (the encoder layer recomputed, with its
+    position bias), never in both at once."""
+    return gradient_checkpointing and arch.quadratic_attention and arch.task == "seq2seq"
+
+
+def decoder_branch_terms(batch: int, source: int, label: int, arch: Architecture) -> dict[str, float]:
+    """Backward through the decoder and the logits: the encoder's kept checkpoints and output (per source token),
+    the decoder's tokens and logits, one decoder layer's kept scores (b·heads·q·k of self-attention, and of
+    cross-attention where it keeps them) and its batch-free position bias."""
+    scores = label * label + (label * source if arch.cross_attention_scores else 0)
+    terms = {
+        "constant": 1.0,
+        "encoder_tokens": float(batch * source),
+        "decoder_tokens": float(batch * label),
+        "attention_scores": float(batch * arch.heads * scores),
+    }
+    if arch.relative_position_bias:
+        terms["position_bias"] = float(arch.heads * label * label)
+    return terms
+
+
+def encoder_branch_terms(batch: int, source: int, label: int, arch: Architecture) -> dict[str, float]:
+    """Backward through the encoder, after the decoder's memory is freed: its tokens, one encoder layer's kept scores
+    and its batch-free position bias."""
+    terms = {
+        "constant": 1.0,
+        "encoder_tokens": float(batch * source),
+        "attention_scores": float(batch * arch.heads * source * source),
+    }
+    if arch.relative_position_bias:
+        terms["position_bias"] = float(arch.heads * source * source)
+    return terms
+
+
+Terms = Callable[[int, int, int, Architecture], dict[str, float]]
+
+
 @dataclass(frozen=True)
 class LinearFit:
-    """Peak bytes as a linear function of shape_terms, fitted by least squares."""
+    """Peak bytes as a linear function of a shape's terms, fitted by least squares."""
 
     coefficients: dict[str, float]
 
     def predict(self, terms: dict[str, float]) -> float:
         return sum(self.coefficients.get(name, 0.0) * value for name, value in terms.items())
 
-    def per_row(self, source: int, label: int, arch: Architecture) -> float:
-        """Bytes each batch row adds (every term but the constant grows with the batch)."""
-        terms = shape_terms(1, source, label, arch)
-        return self.predict(terms) - self.coefficients.get("constant", 0.0)
 
-
-def fit_terms(rows: list[dict[str, float]], peaks: list[float]) -> LinearFit:
-    """Least squares of measured peaks on their shapes' terms. Needs at least as many probes as terms, and probes
-    that vary the terms independently (memfit.calibration chooses such shapes)."""
+def fit_terms(rows: list[dict[str, float]], peaks: list[float], fixed: dict[str, float] | None = None) -> LinearFit:
+    """Least squares of measured peaks on their shapes' terms; `fixed` terms keep the coefficients given (counted,
+    not fitted). Needs at least as many probes as free terms, and probes that vary them independently
+    (memfit.calibration chooses such shapes)."""
     import numpy as np
 
-    names = list(rows[0])
+    fixed = {name: value for name, value in (fixed or {}).items() if name in rows[0]}
+    peaks = [
+        peak - sum(value * row[name] for name, value in fixed.items()) for row, peak in zip(rows, peaks, strict=True)
+    ]
+    names = [name for name in rows[0] if name not in fixed]
     if len(rows) < len(names):
         raise ValueError(f"fitting {len(names)} terms ({', '.join(names)}) needs as many probes, got {len(rows)}")
     design = np.array([[row[name] for name in names] for row in rows], dtype=np.float64)
@@ -213,7 +265,8 @@ def fit_terms(rows: list[dict[str, float]], peaks: list[float]) -> LinearFit:
     if np.linalg.matrix_rank(design / scale) < len(names):
         raise ValueError(f"the probes do not vary the terms {', '.join(names)} independently")
     solution, *_ = np.linalg.lstsq(design / scale, np.asarray(peaks, dtype=np.float64), rcond=None)
-    return LinearFit({name: float(value / s) for name, value, s in zip(names, solution, scale, strict=True)})
+    fitted = {name: float(value / s) for name, value, s in zip(names, solution, scale, strict=True)}
+    return LinearFit({**fitted, **fixed})
 
 
 @dataclass(frozen=True)
@@ -221,7 +274,8 @@ class PeakEstimate:
     """A predicted peak and what it is made of. weights/gradients/optimizer are the analytic counts; logits is the
     float32 logits copy; activations is the fitted per-token rest; `other` is the fitted constant beyond the model
     state (kernel workspaces, allocator rounding; negative where not every gradient exists at the peak). `phase`
-    says where the peak falls: in forward + backward, or in the optimizer step."""
+    says where the peak falls: in forward + backward (in the decoder's or the encoder's backward where those are
+    modelled apart), or in the optimizer step."""
 
     allocated: int
     reserved: int
@@ -246,26 +300,44 @@ class PeakEstimate:
 
 @dataclass(frozen=True)
 class FittedPeak:
-    """Peak memory of a training step as calibrated: the forward + backward peak is linear in shape_terms; the
-    optimizer step's peak does not depend on the batch and is the floor (with checkpointing or small batches it
-    can be the higher one); reserved memory is the allocated peak times the caching allocator's overhead."""
+    """Peak memory of a training step as calibrated: the forward + backward peak is linear in shape_terms (or, where
+    backward splits into branches, the larger of two linear fits: `backward` over decoder_branch_terms and `encoder`
+    over encoder_branch_terms); the optimizer step's peak does not depend on the batch and is the floor (with
+    checkpointing or small batches it can be the higher one); reserved memory is the allocated peak times the
+    caching allocator's overhead."""
 
     backward: LinearFit
     step_allocated: int
     reserved_ratio: float
+    encoder: LinearFit | None = None
 
-    def allocated(self, terms: dict[str, float]) -> float:
-        return max(self.backward.predict(terms), self.step_allocated)
+    def branches(self) -> list[tuple[str, LinearFit, Terms]]:
+        if self.encoder is None:
+            return [("backward", self.backward, shape_terms)]
+        return [
+            ("decoder backward", self.backward, decoder_branch_terms),
+            ("encoder backward", self.encoder, encoder_branch_terms),
+        ]
+
+    def backward_peak(self, batch: int, source: int, label: int, arch: Architecture) -> tuple[str, LinearFit, float]:
+        """The branch that peaks highest, its fit and its predicted peak."""
+        predicted = [
+            (name, fit, fit.predict(terms(batch, source, label, arch))) for name, fit, terms in self.branches()
+        ]
+        return max(predicted, key=lambda branch: branch[2])
+
+    def allocated(self, batch: int, source: int, label: int, arch: Architecture) -> float:
+        return max(self.backward_peak(batch, source, label, arch)[2], self.step_allocated)
 
 
 def estimate_peak(
     batch: int, source: int, label: int, arch: Architecture, state: ModelStateBytes, fit: FittedPeak
 ) -> PeakEstimate:
-    terms = shape_terms(batch, source, label, arch)
-    backward = fit.backward.predict(terms)
-    allocated = fit.allocated(terms)
-    constant = fit.backward.coefficients.get("constant", 0.0)
-    logits = logits_bytes(batch, source, label, arch)
+    phase, branch, backward = fit.backward_peak(batch, source, label, arch)
+    allocated = max(backward, fit.step_allocated)
+    constant = branch.coefficients.get("constant", 0.0)
+    # the encoder's backward runs after the logits are freed
+    logits = 0 if phase == "encoder backward" else logits_bytes(batch, source, label, arch)
     return PeakEstimate(
         allocated=round(allocated),
         reserved=round(allocated * fit.reserved_ratio),
@@ -275,16 +347,23 @@ def estimate_peak(
         logits=logits,
         activations=round(backward - constant - logits),
         other=round(constant - state.total),
-        phase="backward" if backward >= fit.step_allocated else "optimizer step",
+        phase=phase if backward >= fit.step_allocated else "optimizer step",
     )
 
 
 def largest_batch(fit: FittedPeak, source: int, label: int, arch: Architecture, limit: int, upper: int) -> int:
     """The largest batch whose predicted peak *reserved* (what the preflight judges) is within `limit` at these
-    lengths (0: not even one row), at most `upper`."""
+    lengths (0: not even one row), at most `upper`: the smallest over the branches of backward."""
     allowed = limit / fit.reserved_ratio  # in allocated bytes
-    per_row = fit.backward.per_row(source, label, arch)
-    room = allowed - fit.backward.coefficients.get("constant", 0.0)
-    if fit.step_allocated > allowed or room < per_row:
+    if fit.step_allocated > allowed:
         return 0
-    return upper if per_row <= 0 else min(upper, int(room // per_row))
+    largest = upper
+    for _, branch, terms in fit.branches():
+        fixed = branch.predict(terms(0, source, label, arch))  # what no batch row changes
+        per_row = branch.predict(terms(1, source, label, arch)) - fixed
+        room = allowed - fixed
+        if room < per_row:
+            return 0
+        if per_row > 0:
+            largest = min(largest, int(room // per_row))
+    return largest

@@ -36,6 +36,8 @@ class Probe:
     # fits the first over shapes; the second does not depend on the shape)
     backward_peak: MemoryPeak | None = None
     step_peak: MemoryPeak | None = None
+    # with ProbeSetup.split_branches: backward's peak before and after the gradient reached the encoder's output
+    branch_peaks: dict[str, MemoryPeak] | None = None
 
     @property
     def oom(self) -> bool:
@@ -196,6 +198,44 @@ class ProbeSetup:
     steps: int = 2
     accumulation: int = 1  # gradient accumulation: with it, a forward runs while the last micro-batch's grads exist
     generate: bool = False  # evaluation generates (predict_with_generate): probe generation of the full label length
+    split_branches: bool = False  # also measure the decoder's and the encoder's backward apart (seq2seq only)
+
+
+class _BranchMarker:
+    """Splits a seq2seq step's forward + backward window where the gradient reaches the encoder's output: before it,
+    the forward and the backward through the decoder and logits; after it, the backward through the encoder. A grad
+    hook on the encoder's output tensor marks the moment; it only reads and resets the meter's window."""
+
+    def __init__(self, model: Any, meter: Any):
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.meter = meter
+        self.peaks = {"decoder": MemoryPeak(0, 0), "encoder": MemoryPeak(0, 0)}
+        self.backwards = self.reached = 0  # backward passes, and those in which the gradient reached the encoder
+        self._reached_now = False
+        self._handle = base.get_encoder().register_forward_hook(self._on_encoder_output)
+
+    def _on_encoder_output(self, module: Any, args: Any, output: Any) -> None:
+        hidden = output[0]
+        if hidden.requires_grad:
+            hidden.register_hook(self._on_encoder_gradient)
+
+    def _on_encoder_gradient(self, grad: Any) -> None:
+        self.peaks["decoder"] = self.peaks["decoder"].max(self.meter.window_peak())
+        self.meter.reset_window()
+        self._reached_now = True
+
+    def backward_done(self) -> MemoryPeak:
+        """Closes this forward + backward's window; the peak over both branches so far."""
+        branch = "encoder" if self._reached_now else "decoder"
+        self.peaks[branch] = self.peaks[branch].max(self.meter.window_peak())
+        self.backwards += 1
+        self.reached += self._reached_now
+        self._reached_now = False
+        return self.peaks["decoder"].max(self.peaks["encoder"])
+
+    def close(self) -> dict[str, MemoryPeak] | None:
+        self._handle.remove()
+        return self.peaks if self.backwards and self.reached == self.backwards else None
 
 
 def _free(device: str) -> None:
@@ -213,7 +253,7 @@ def probe(setup: ProbeSetup, shape: BatchShape, eval_shape: BatchShape | None = 
     import torch
 
     preserved = _Preserved(setup.model)
-    optimizer = None
+    optimizer = marker = None
     results: list[Probe] = []
     phase, current = "train", shape
     try:
@@ -222,6 +262,7 @@ def probe(setup: ProbeSetup, shape: BatchShape, eval_shape: BatchShape | None = 
         setup.model.train()
         optimizer = setup.make_optimizer()
         backward = step = MemoryPeak(0, 0)
+        marker = _BranchMarker(setup.model, setup.meter) if setup.split_branches else None
         start = time.perf_counter()
         for _ in range(setup.steps):
             setup.meter.reset_window()
@@ -230,6 +271,9 @@ def probe(setup: ProbeSetup, shape: BatchShape, eval_shape: BatchShape | None = 
                     loss = setup.model(**batch).loss
                 loss.backward()
                 del loss
+                if marker is not None:
+                    backward = backward.max(marker.backward_done())
+                    setup.meter.reset_window()
             backward = backward.max(setup.meter.window_peak())
             setup.meter.reset_window()
             optimizer.step()
@@ -237,7 +281,9 @@ def probe(setup: ProbeSetup, shape: BatchShape, eval_shape: BatchShape | None = 
             step = step.max(setup.meter.window_peak())
         static = setup.meter.current_bytes()  # weights + optimizer state (on CPU: the whole process)
         elapsed = time.perf_counter() - start
-        results.append(Probe(shape, "train", backward.max(step), static, None, elapsed, backward, step))
+        branches = marker.close() if marker is not None else None
+        marker = None
+        results.append(Probe(shape, "train", backward.max(step), static, None, elapsed, backward, step, branches))
         del batch
         if eval_shape is not None:
             phase, current = "eval", eval_shape
@@ -264,6 +310,8 @@ def probe(setup: ProbeSetup, shape: BatchShape, eval_shape: BatchShape | None = 
         in_use = setup.meter.current_bytes()
         results.append(Probe(current, phase, None, attempted_bytes=_attempted_bytes(err, in_use)))
     finally:
+        if marker is not None:  # an OOM left its hook in place
+            marker.close()
         del optimizer
         preserved.restore()
         _free(setup.device)
