@@ -432,7 +432,7 @@ def main() -> None:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--wide", action="store_true", help="the wider space of WIDE_SPACES (for longer sweeps)")
     r.add_argument("--no-prestart", dest="prestart", action="store_false", help="hydra.sweeper.prestart=false")
-    r.add_argument("--prestart-ahead", type=int, default=1, help="hydra.sweeper.prestart_ahead")
+    r.add_argument("--prestart-ahead", type=int, default=2, help="hydra.sweeper.prestart_ahead (the sweeper's default)")
     r.add_argument("--pin-cores", action="store_true", help="hydra.sweeper.pin_cores=true")
     r.add_argument("--out", required=True)
     r.add_argument("--work", default="/tmp/memfit-multi-gpu")
