@@ -18,7 +18,7 @@ from memfit.calibration import (
     probe_plan,
     wanted,
 )
-from memfit.memory_model import Architecture, describe_architecture, model_state_bytes, position_bias_bytes
+from memfit.memory_model import Architecture, counted_terms, describe_architecture, model_state_bytes
 
 from .conftest import FAST
 from .test_preflight import _setup
@@ -136,10 +136,11 @@ def test_t5_under_checkpointing_is_calibrated_branch_by_branch(compose_cfg, tmp_
     arch = fitted.architecture
     assert arch.relative_position_bias and probed == calibration_shapes(arch, 512, 8, 4, branches=True)
     for p in fitted.probes:
-        assert p["decoder_allocated"] > 0 and p["encoder_allocated"] > 0
-        assert max(p["decoder_allocated"], p["encoder_allocated"]) == p["allocated"]  # the windows cover the step
-    bias = position_bias_bytes(arch)
-    assert fitted.fit.encoder.coefficients["position_bias"] == bias == fitted.fit.backward.coefficients["position_bias"]
+        branches = [p[f"{branch}_allocated"] for branch in ("forward", "decoder", "encoder")]
+        assert min(branches) > 0 and max(branches) == p["allocated"]  # the three windows cover the step
+    counted = counted_terms(arch)
+    assert fitted.fit.encoder.coefficients["position_bias"] == counted["position_bias"]
+    assert fitted.fit.backward.coefficients["kept_position_bias"] == counted["kept_position_bias"]
     assert (
         "decoder_tokens" in fitted.fit.backward.coefficients and "decoder_tokens" not in fitted.fit.encoder.coefficients
     )

@@ -3,6 +3,8 @@ per-token fit on synthetic measurements; predictions, the optimizer-step floor a
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from memfit.memory_model import (
     FittedPeak,
     LinearFit,
     ModelStateBytes,
+    counted_terms,
     decoder_branch_terms,
     describe_architecture,
     encoder_branch_terms,
@@ -19,7 +22,6 @@ from memfit.memory_model import (
     largest_batch,
     model_state_bytes,
     optimizer_state_bytes,
-    position_bias_bytes,
     shape_terms,
     splits_branches,
 )
@@ -177,8 +179,8 @@ ENCODER_TRUTH = {"constant": 3.6e9, "encoder_tokens": 5.5e4, "attention_scores":
 
 
 def _branched_fit() -> FittedPeak:
-    bias = {"position_bias": position_bias_bytes(T5_LIKE)}
-    return FittedPeak(LinearFit({**DECODER_TRUTH, **bias}), 3.5e9, 1.05, LinearFit({**ENCODER_TRUTH, **bias}))
+    counted = counted_terms(T5_LIKE)
+    return FittedPeak(LinearFit({**DECODER_TRUTH, **counted}), 3.5e9, 1.05, LinearFit({**ENCODER_TRUTH, **counted}))
 
 
 def test_only_checkpointed_encoder_decoders_that_keep_scores_split_into_branches():
@@ -189,17 +191,20 @@ def test_only_checkpointed_encoder_decoders_that_keep_scores_split_into_branches
 
 def test_each_branch_fit_recovers_known_coefficients_from_the_branch_shapes():
     """Four probes, each measured in both branches: the decoder's four free terms and the encoder's three are
-    recovered, the position bias counted (8 bytes per heads·n², and the int64 buckets) rather than fitted."""
+    recovered, the position biases counted rather than fitted: float32 lookup and gradient (4 + 4 bytes per
+    heads·n²) and the int64 buckets; 4 bytes per b·heads·q·k for the bias tensors the checkpointed layers keep."""
     from memfit.calibration import calibration_shapes
 
     shapes = calibration_shapes(T5_LIKE, 4096, batch_scale=4, branches=True)
-    bias = {"position_bias": position_bias_bytes(T5_LIKE)}
-    assert bias["position_bias"] == pytest.approx(8 + 8 / 12)
+    counted = counted_terms(T5_LIKE)
+    assert counted == pytest.approx({"position_bias": 8 + 8 / 12, "kept_position_bias": 4})
+    assert counted_terms(replace(T5_LIKE, bias_element_bytes=2))["position_bias"] == pytest.approx(4 + 8 / 12)
     for truth, terms in ((DECODER_TRUTH, decoder_branch_terms), (ENCODER_TRUTH, encoder_branch_terms)):
         rows = [terms(s.batch, s.source, s.label, T5_LIKE) for s in shapes]
-        peaks = [LinearFit({**truth, **bias}).predict(row) for row in rows]
-        fit = fit_terms(rows, peaks, bias)
-        assert fit.coefficients == pytest.approx({**truth, **bias}, rel=1e-6)
+        peaks = [LinearFit({**truth, **counted}).predict(row) for row in rows]
+        fit = fit_terms(rows, peaks, counted)
+        every = {**truth, **counted}
+        assert fit.coefficients == pytest.approx({name: every[name] for name in rows[0]}, rel=1e-6)
     assert len({(s.batch, s.source) for s in shapes}) == 4  # batch and source crossed, no pair probed twice
 
 
@@ -209,7 +214,7 @@ def test_a_branched_peak_is_the_larger_branch_and_the_largest_batch_the_smaller_
     long_label = estimate_peak(2, 256, 2048, T5_LIKE, state, fit)
     assert long_source.phase == "encoder backward" and long_source.logits == 0  # the logits are freed by then
     assert long_label.phase == "decoder backward" and long_label.logits == 4 * 2 * 2048 * T5_LIKE.vocab_size
-    encoder = LinearFit({**ENCODER_TRUTH, "position_bias": position_bias_bytes(T5_LIKE)})
+    encoder = LinearFit({**ENCODER_TRUTH, **counted_terms(T5_LIKE)})
     assert long_source.allocated == round(encoder.predict(encoder_branch_terms(2, 3072, 128, T5_LIKE)))
     small = estimate_peak(1, 64, 16, T5_LIKE, state, fit)
     assert small.phase == "optimizer step" or small.allocated >= 3.5e9
@@ -238,5 +243,6 @@ def test_architectures_are_read_from_built_models(compose_cfg):
     )
     t5_arch = describe_architecture(t5, "seq2seq")
     assert t5_arch.quadratic_attention and t5_arch.relative_position_bias  # its position bias is kept per score
+    assert t5_arch.bias_element_bytes == 4 and describe_architecture(t5.bfloat16(), "seq2seq").bias_element_bytes == 2
     # T5's cross-attention has no learned bias: unless attention is eager it takes the memory-efficient kernel
     assert t5_arch.cross_attention_scores == (t5.config._attn_implementation == "eager")

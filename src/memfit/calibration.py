@@ -30,12 +30,12 @@ from memfit.memory_model import (
     LinearFit,
     ModelStateBytes,
     PeakEstimate,
+    counted_terms,
     decoder_branch_terms,
     encoder_branch_terms,
     estimate_peak,
     fit_terms,
     largest_batch,
-    position_bias_bytes,
     shape_terms,
     splits_branches,
 )
@@ -258,11 +258,11 @@ def _measure(
 def _fit_backward(
     arch: Architecture, measured: list[dict[str, Any]], branches: bool
 ) -> tuple[LinearFit, LinearFit | None]:
-    """The backward fit, or the decoder's and the encoder's branch fits, with T5's position bias counted."""
+    """The backward fit, or the decoder's and the encoder's branch fits, with T5's position biases counted."""
 
     def fit(terms: Any, peak: str) -> LinearFit:
         rows = [terms(m["batch"], m["source"], m["label"], arch) for m in measured]
-        return fit_terms(rows, [m[peak] for m in measured], {"position_bias": position_bias_bytes(arch)})
+        return fit_terms(rows, [m[peak] for m in measured], counted_terms(arch))
 
     if not branches:
         return fit(shape_terms, "allocated"), None

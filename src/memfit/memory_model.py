@@ -119,6 +119,7 @@ class Architecture:
     # T5's relative position bias: computed once per sequence, not per batch row, as a (q, k, heads) float32 lookup
     # from (q, k) int64 buckets; with gradient checkpointing its first layer's recomputation holds it again
     relative_position_bias: bool = False
+    bias_element_bytes: int = 4  # the position bias's dtype: the weights' (float32 under mixed precision)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -142,6 +143,7 @@ def describe_architecture(model: Any, task: str) -> Architecture:
         encoder = decoder = config
     attention = getattr(encoder, "_attn_implementation", None) or "eager"
     position_bias = getattr(config, "relative_attention_num_buckets", None) is not None
+    bias_weights = [m.relative_attention_bias.weight for m in base.modules() if hasattr(m, "relative_attention_bias")]
     if task == "causal":
         encoder_layers = 0
         decoder_layers = _first(config, "num_hidden_layers", "num_layers", "n_layer")
@@ -157,6 +159,7 @@ def describe_architecture(model: Any, task: str) -> Architecture:
         quadratic_attention=attention == "eager" or position_bias,
         cross_attention_scores=attention == "eager" and task == "seq2seq",
         relative_position_bias=position_bias,
+        bias_element_bytes=bias_weights[0].element_size() if bias_weights else 4,
     )
 
 
@@ -190,11 +193,15 @@ def logits_bytes(batch: int, source: int, label: int, arch: Architecture) -> int
     return 4 * batch * positions * arch.vocab_size
 
 
-def position_bias_bytes(arch: Architecture) -> float:
-    """Bytes per heads·q·k of T5's batch-free position bias: the float32 lookup and its gradient (4 + 4), and the int64
-    buckets its embedding's backward keeps (8 per q·k, shared by the heads). Counted, not fitted: four probes cannot
-    tell it from the batch terms of the same lengths (benchmarks/t5_checkpointing_fit.py)."""
-    return 8.0 + 8.0 / arch.heads
+def counted_terms(arch: Architecture) -> dict[str, float]:
+    """Bytes per unit of the terms that are counted, not fitted: four probes cannot tell them from the batch terms of
+    the same lengths (benchmarks/t5_checkpointing_fit.py). T5's relative position bias, per sequence (`position_bias`,
+    per heads·n²): the lookup and its gradient in the bias's dtype, and the int64 buckets its embedding's backward
+    keeps (8 per q·k, shared by the heads). Under checkpointing, the decoder's backward also holds the bias tensors
+    every checkpointed layer takes as input (`kept_position_bias`, per b·heads·q·k): the encoder's (b, heads, s, s)
+    and the cross-attention's (b, heads, l, s)."""
+    element = arch.bias_element_bytes
+    return {"position_bias": 2.0 * element + 8.0 / arch.heads, "kept_position_bias": float(element)}
 
 
 def splits_branches(arch: Architecture, gradient_checkpointing: bool) -> bool:
@@ -208,7 +215,8 @@ def splits_branches(arch: Architecture, gradient_checkpointing: bool) -> bool:
 def decoder_branch_terms(batch: int, source: int, label: int, arch: Architecture) -> dict[str, float]:
     """Backward through the decoder and the logits: the encoder's kept checkpoints and output (per source token),
     the decoder's tokens and logits, one decoder layer's kept scores (b·heads·q·k of self-attention, and of
-    cross-attention where it keeps them) and its batch-free position bias."""
+    cross-attention where it keeps them), its batch-free position bias and the position biases kept for the
+    checkpointed layers."""
     scores = label * label + (label * source if arch.cross_attention_scores else 0)
     terms = {
         "constant": 1.0,
@@ -218,6 +226,7 @@ def decoder_branch_terms(batch: int, source: int, label: int, arch: Architecture
     }
     if arch.relative_position_bias:
         terms["position_bias"] = float(arch.heads * label * label)
+        terms["kept_position_bias"] = float(batch * arch.heads * (source * source + label * source))
     return terms
 
 

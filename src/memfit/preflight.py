@@ -36,7 +36,8 @@ class Probe:
     # fits the first over shapes; the second does not depend on the shape)
     backward_peak: MemoryPeak | None = None
     step_peak: MemoryPeak | None = None
-    # with ProbeSetup.split_branches: backward's peak before and after the gradient reached the encoder's output
+    # with ProbeSetup.split_branches: the forward's peak, and backward's before and after the gradient reached the
+    # encoder's output ("forward", "decoder", "encoder")
     branch_peaks: dict[str, MemoryPeak] | None = None
 
     @property
@@ -202,14 +203,16 @@ class ProbeSetup:
 
 
 class _BranchMarker:
-    """Splits a seq2seq step's forward + backward window where the gradient reaches the encoder's output: before it,
-    the forward and the backward through the decoder and logits; after it, the backward through the encoder. A grad
-    hook on the encoder's output tensor marks the moment; it only reads and resets the meter's window."""
+    """Splits a seq2seq step's forward + backward window in three: the forward; the backward through the decoder and
+    logits, until the gradient reaches the encoder's output; the backward through the encoder. A grad hook on the
+    encoder's output tensor marks that moment; the marker only reads and resets the meter's window. (The forward
+    is kept apart because under checkpointing its transient attention scores would otherwise be read as the
+    decoder's backward.)"""
 
     def __init__(self, model: Any, meter: Any):
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         self.meter = meter
-        self.peaks = {"decoder": MemoryPeak(0, 0), "encoder": MemoryPeak(0, 0)}
+        self.peaks = {"forward": MemoryPeak(0, 0), "decoder": MemoryPeak(0, 0), "encoder": MemoryPeak(0, 0)}
         self.backwards = self.reached = 0  # backward passes, and those in which the gradient reached the encoder
         self._reached_now = False
         self._handle = base.get_encoder().register_forward_hook(self._on_encoder_output)
@@ -224,14 +227,18 @@ class _BranchMarker:
         self.meter.reset_window()
         self._reached_now = True
 
+    def forward_done(self) -> None:
+        self.peaks["forward"] = self.peaks["forward"].max(self.meter.window_peak())
+        self.meter.reset_window()
+
     def backward_done(self) -> MemoryPeak:
-        """Closes this forward + backward's window; the peak over both branches so far."""
+        """Closes this backward's window; the peak over the forward and both branches so far."""
         branch = "encoder" if self._reached_now else "decoder"
         self.peaks[branch] = self.peaks[branch].max(self.meter.window_peak())
         self.backwards += 1
         self.reached += self._reached_now
         self._reached_now = False
-        return self.peaks["decoder"].max(self.peaks["encoder"])
+        return self.peaks["forward"].max(self.peaks["decoder"]).max(self.peaks["encoder"])
 
     def close(self) -> dict[str, MemoryPeak] | None:
         self._handle.remove()
@@ -269,6 +276,8 @@ def probe(setup: ProbeSetup, shape: BatchShape, eval_shape: BatchShape | None = 
             for _ in range(min(setup.accumulation, 2)):  # the second micro-batch runs on top of held grads
                 with _autocast(setup.device, setup.precision):
                     loss = setup.model(**batch).loss
+                if marker is not None:
+                    marker.forward_done()
                 loss.backward()
                 del loss
                 if marker is not None:
