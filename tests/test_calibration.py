@@ -141,6 +141,7 @@ def test_t5_under_checkpointing_is_calibrated_branch_by_branch(compose_cfg, tmp_
     counted = counted_terms(arch)
     assert fitted.fit.encoder.coefficients["position_bias"] == counted["position_bias"]
     assert fitted.fit.backward.coefficients["kept_position_bias"] == counted["kept_position_bias"]
+    assert fitted.fit.forward.coefficients["kept_position_bias"] == counted["kept_position_bias"]
     assert (
         "decoder_tokens" in fitted.fit.backward.coefficients and "decoder_tokens" not in fitted.fit.encoder.coefficients
     )
@@ -148,7 +149,7 @@ def test_t5_under_checkpointing_is_calibrated_branch_by_branch(compose_cfg, tmp_
     assert again.fit == fitted.fit
     shape = probed[-1]
     assert again.estimate(shape) == fitted.estimate(shape)
-    assert fitted.estimate(shape).phase in {"decoder backward", "encoder backward", "optimizer step"}
+    assert fitted.estimate(shape).phase in {"forward", "decoder backward", "encoder backward", "optimizer step"}
 
 
 def test_when_to_calibrate_and_how_large_the_probes_are(compose_cfg):

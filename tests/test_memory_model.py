@@ -19,6 +19,7 @@ from memfit.memory_model import (
     encoder_branch_terms,
     estimate_peak,
     fit_terms,
+    forward_terms,
     largest_batch,
     model_state_bytes,
     optimizer_state_bytes,
@@ -176,11 +177,13 @@ def test_the_largest_batch_predicted_to_fit_is_on_the_limit():
 # T5 under gradient checkpointing: the larger of two branches of backward
 DECODER_TRUTH = {"constant": 4.1e9, "encoder_tokens": 4.0e4, "decoder_tokens": 3.0e5, "attention_scores": 4.5}
 ENCODER_TRUTH = {"constant": 3.6e9, "encoder_tokens": 5.5e4, "attention_scores": 16.0}
+FORWARD_TRUTH = {"constant": 3.9e9, "encoder_tokens": 3.0e4, "decoder_tokens": 3.5e5, "attention_scores": 9.0}
 
 
 def _branched_fit() -> FittedPeak:
     counted = counted_terms(T5_LIKE)
-    return FittedPeak(LinearFit({**DECODER_TRUTH, **counted}), 3.5e9, 1.05, LinearFit({**ENCODER_TRUTH, **counted}))
+    decoder, encoder, forward = (LinearFit({**t, **counted}) for t in (DECODER_TRUTH, ENCODER_TRUTH, FORWARD_TRUTH))
+    return FittedPeak(decoder, 3.5e9, 1.05, encoder, forward)
 
 
 def test_only_checkpointed_encoder_decoders_that_keep_scores_split_into_branches():
@@ -190,16 +193,20 @@ def test_only_checkpointed_encoder_decoders_that_keep_scores_split_into_branches
 
 
 def test_each_branch_fit_recovers_known_coefficients_from_the_branch_shapes():
-    """Four probes, each measured in both branches: the decoder's four free terms and the encoder's three are
-    recovered, the position biases counted rather than fitted: float32 lookup and gradient (4 + 4 bytes per
-    heads·n²) and the int64 buckets; 4 bytes per b·heads·q·k for the bias tensors the checkpointed layers keep."""
+    """Four probes, each measured in three windows: the decoder's four free terms, the encoder's three and the
+    forward's four are recovered, the position biases counted rather than fitted: float32 lookup and gradient
+    (4 + 4 bytes per heads·n²) and the int64 buckets; 4 bytes per b·heads·q·k for the biases checkpoints keep."""
     from memfit.calibration import calibration_shapes
 
     shapes = calibration_shapes(T5_LIKE, 4096, batch_scale=4, branches=True)
     counted = counted_terms(T5_LIKE)
     assert counted == pytest.approx({"position_bias": 8 + 8 / 12, "kept_position_bias": 4})
     assert counted_terms(replace(T5_LIKE, bias_element_bytes=2))["position_bias"] == pytest.approx(4 + 8 / 12)
-    for truth, terms in ((DECODER_TRUTH, decoder_branch_terms), (ENCODER_TRUTH, encoder_branch_terms)):
+    for truth, terms in (
+        (DECODER_TRUTH, decoder_branch_terms),
+        (ENCODER_TRUTH, encoder_branch_terms),
+        (FORWARD_TRUTH, forward_terms),
+    ):
         rows = [terms(s.batch, s.source, s.label, T5_LIKE) for s in shapes]
         peaks = [LinearFit({**truth, **counted}).predict(row) for row in rows]
         fit = fit_terms(rows, peaks, counted)

@@ -35,6 +35,7 @@ from memfit.memory_model import (
     encoder_branch_terms,
     estimate_peak,
     fit_terms,
+    forward_terms,
     largest_batch,
     shape_terms,
     splits_branches,
@@ -87,12 +88,12 @@ def calibration_shapes(
 
     if arch.task == "causal":
         return [shape(1, tokens / 4, 0), shape(2, tokens / 4, 0), shape(1, tokens / 2, 0), shape(4, tokens / 16, 0)]
-    if branches:
+    if branches:  # the last: a label long enough that the decoder's own scores show against its tokens
         return [
             shape(4, tokens / 8, tokens / 32),
             shape(4, tokens / 4, tokens / 32),
             shape(8, tokens / 8, tokens / 16),
-            shape(2, tokens / 4, tokens / 8),
+            shape(2, tokens / 8, tokens / 4),
         ]
     return [
         shape(4, tokens / 8, tokens / 32),
@@ -150,7 +151,10 @@ class Calibration:
                 LinearFit(data["fit"]["backward"]["coefficients"]),
                 data["fit"]["step_allocated"],
                 data["fit"]["reserved_ratio"],
-                LinearFit(data["fit"]["encoder"]["coefficients"]) if data["fit"].get("encoder") else None,
+                *(
+                    LinearFit(data["fit"][branch]["coefficients"]) if data["fit"].get(branch) else None
+                    for branch in ("encoder", "forward")
+                ),
             ),
             probes=data["probes"],
             seconds=data["seconds"],
@@ -257,16 +261,20 @@ def _measure(
 
 def _fit_backward(
     arch: Architecture, measured: list[dict[str, Any]], branches: bool
-) -> tuple[LinearFit, LinearFit | None]:
-    """The backward fit, or the decoder's and the encoder's branch fits, with T5's position biases counted."""
+) -> tuple[LinearFit, LinearFit | None, LinearFit | None]:
+    """The backward fit, or the decoder's, the encoder's and the forward's, with T5's position biases counted."""
 
     def fit(terms: Any, peak: str) -> LinearFit:
         rows = [terms(m["batch"], m["source"], m["label"], arch) for m in measured]
         return fit_terms(rows, [m[peak] for m in measured], counted_terms(arch))
 
     if not branches:
-        return fit(shape_terms, "allocated"), None
-    return fit(decoder_branch_terms, "decoder_allocated"), fit(encoder_branch_terms, "encoder_allocated")
+        return fit(shape_terms, "allocated"), None, None
+    return (
+        fit(decoder_branch_terms, "decoder_allocated"),
+        fit(encoder_branch_terms, "encoder_allocated"),
+        fit(forward_terms, "forward_allocated"),
+    )
 
 
 def calibrate(
@@ -336,7 +344,7 @@ def _fit_and_cache(
         )
         return None
     try:
-        backward, encoder = _fit_backward(arch, measured, branches)
+        backward, encoder, forward = _fit_backward(arch, measured, branches)
     except (ValueError, IndexError) as err:
         log.warning(
             "memory model: not calibrated (%s): set calibration.probe_tokens lower than %d so the probes fit",
@@ -351,6 +359,7 @@ def _fit_and_cache(
         max(m["step_allocated"] for m in measured),
         sum(m["reserved"] / m["allocated"] for m in measured) / len(measured),
         encoder,
+        forward,
     )
     calibration = Calibration(key, ident, arch, state, fit, measured, time.perf_counter() - start)
     cache_dir.mkdir(parents=True, exist_ok=True)

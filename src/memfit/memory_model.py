@@ -243,6 +243,21 @@ def encoder_branch_terms(batch: int, source: int, label: int, arch: Architecture
     return terms
 
 
+def forward_terms(batch: int, source: int, label: int, arch: Architecture) -> dict[str, float]:
+    """The forward, whose peak under checkpointing is one encoder layer's attention scores or the loss over the
+    logits, with every checkpoint and kept position bias held: tokens per stack, the encoder's scores (b·heads·s²,
+    the encoder's kept bias with them) and the decoder's kept biases (b·heads·(l² + l·s))."""
+    terms = {
+        "constant": 1.0,
+        "encoder_tokens": float(batch * source),
+        "decoder_tokens": float(batch * label),
+        "attention_scores": float(batch * arch.heads * source * source),
+    }
+    if arch.relative_position_bias:
+        terms["kept_position_bias"] = float(batch * arch.heads * (label * label + label * source))
+    return terms
+
+
 Terms = Callable[[int, int, int, Architecture], dict[str, float]]
 
 
@@ -310,20 +325,22 @@ class PeakEstimate:
 @dataclass(frozen=True)
 class FittedPeak:
     """Peak memory of a training step as calibrated: the forward + backward peak is linear in shape_terms (or, where
-    backward splits into branches, the larger of two linear fits: `backward` over decoder_branch_terms and `encoder`
-    over encoder_branch_terms); the optimizer step's peak does not depend on the batch and is the floor (with
-    checkpointing or small batches it can be the higher one); reserved memory is the allocated peak times the
-    caching allocator's overhead."""
+    the step splits into branches, the largest of three linear fits: `forward` over forward_terms, `backward` over
+    decoder_branch_terms and `encoder` over encoder_branch_terms); the optimizer step's peak does not depend on the
+    batch and is the floor (with checkpointing or small batches it can be the higher one); reserved memory is the
+    allocated peak times the caching allocator's overhead."""
 
     backward: LinearFit
     step_allocated: int
     reserved_ratio: float
     encoder: LinearFit | None = None
+    forward: LinearFit | None = None
 
     def branches(self) -> list[tuple[str, LinearFit, Terms]]:
-        if self.encoder is None:
+        if self.encoder is None or self.forward is None:
             return [("backward", self.backward, shape_terms)]
         return [
+            ("forward", self.forward, forward_terms),
             ("decoder backward", self.backward, decoder_branch_terms),
             ("encoder backward", self.encoder, encoder_branch_terms),
         ]
