@@ -175,9 +175,9 @@ def test_the_largest_batch_predicted_to_fit_is_on_the_limit():
 
 
 # T5 under gradient checkpointing: the larger of two branches of backward
-DECODER_TRUTH = {"constant": 4.1e9, "encoder_tokens": 4.0e4, "decoder_tokens": 3.0e5, "attention_scores": 4.5}
+DECODER_TRUTH = {"constant": 4.1e9, "encoder_tokens": 4.0e4, "decoder_tokens": 3.0e5, "attention_scores": 20.0}
 ENCODER_TRUTH = {"constant": 3.6e9, "encoder_tokens": 5.5e4, "attention_scores": 16.0}
-FORWARD_TRUTH = {"constant": 3.9e9, "encoder_tokens": 3.0e4, "decoder_tokens": 3.5e5, "attention_scores": 9.0}
+FORWARD_TRUTH = {"constant": 3.9e9, "encoder_tokens": 3.0e4, "decoder_tokens": 2.5e5, "attention_scores": 9.0}
 
 
 def _branched_fit() -> FittedPeak:
@@ -194,14 +194,11 @@ def test_only_checkpointed_encoder_decoders_that_keep_scores_split_into_branches
 
 def test_each_branch_fit_recovers_known_coefficients_from_the_branch_shapes():
     """Four probes, each measured in three windows: the decoder's four free terms, the encoder's three and the
-    forward's four are recovered, the position biases counted rather than fitted: float32 lookup and gradient
-    (4 + 4 bytes per heads·n²) and the int64 buckets; 4 bytes per b·heads·q·k for the biases checkpoints keep."""
+    forward's four are recovered, the position biases counted rather than fitted."""
     from memfit.calibration import calibration_shapes
 
     shapes = calibration_shapes(T5_LIKE, 4096, batch_scale=4, branches=True)
     counted = counted_terms(T5_LIKE)
-    assert counted == pytest.approx({"position_bias": 8 + 8 / 12, "kept_position_bias": 4})
-    assert counted_terms(replace(T5_LIKE, bias_element_bytes=2))["position_bias"] == pytest.approx(4 + 8 / 12)
     for truth, terms in (
         (DECODER_TRUTH, decoder_branch_terms),
         (ENCODER_TRUTH, encoder_branch_terms),
@@ -213,6 +210,26 @@ def test_each_branch_fit_recovers_known_coefficients_from_the_branch_shapes():
         every = {**truth, **counted}
         assert fit.coefficients == pytest.approx({name: every[name] for name in rows[0]}, rel=1e-6)
     assert len({(s.batch, s.source) for s in shapes}) == 4  # batch and source crossed, no pair probed twice
+
+
+def test_t5_position_biases_are_counted_without_the_batch():
+    """transformers 5 keeps each stack's bias as (1, heads, q, k): the lookup in the bias's dtype (4 bytes in
+    float32), its gradient where backward has reached it, the int64 buckets (8 bytes per q·k, over the heads), and
+    the decoder's zero cross-attention bias (1, heads, l, s)."""
+    heads, s, l = 12, 512, 128  # noqa: E741 - label length
+    kept, with_gradient = 4 + 8 / heads, 8 + 8 / heads
+    assert encoder_branch_terms(3, s, l, T5_LIKE)["position_biases"] == pytest.approx(heads * with_gradient * s * s)
+    assert forward_terms(3, s, l, T5_LIKE)["position_biases"] == pytest.approx(
+        heads * (kept * (s * s + l * l) + 4 * l * s)
+    )
+    assert decoder_branch_terms(3, s, l, T5_LIKE)["position_biases"] == pytest.approx(
+        heads * (kept * s * s + 8 * l * s)
+    )
+    assert decoder_branch_terms(3, s, l, T5_LIKE)["attention_scores"] == heads * l * l  # batch-free here
+    bf16 = replace(T5_LIKE, bias_element_bytes=2)
+    assert encoder_branch_terms(1, s, l, bf16)["position_biases"] == pytest.approx(heads * (4 + 8 / heads) * s * s)
+    assert "position_biases" not in decoder_branch_terms(3, s, l, EAGER)
+    assert decoder_branch_terms(3, s, l, EAGER)["attention_scores"] == 3 * heads * (l * l + l * s)
 
 
 def test_a_branched_peak_is_the_larger_branch_and_the_largest_batch_the_smaller_over_both():

@@ -88,12 +88,12 @@ def calibration_shapes(
 
     if arch.task == "causal":
         return [shape(1, tokens / 4, 0), shape(2, tokens / 4, 0), shape(1, tokens / 2, 0), shape(4, tokens / 16, 0)]
-    if branches:  # the last: a label long enough that the decoder's own scores show against its tokens
+    if branches:  # the last: one long label, so the decoder's batch-free attention term shows against its tokens
         return [
             shape(4, tokens / 8, tokens / 32),
             shape(4, tokens / 4, tokens / 32),
             shape(8, tokens / 8, tokens / 16),
-            shape(2, tokens / 8, tokens / 4),
+            shape(1, tokens / 8, tokens / 2),
         ]
     return [
         shape(4, tokens / 8, tokens / 32),

@@ -194,14 +194,24 @@ def logits_bytes(batch: int, source: int, label: int, arch: Architecture) -> int
 
 
 def counted_terms(arch: Architecture) -> dict[str, float]:
-    """Bytes per unit of the terms that are counted, not fitted: four probes cannot tell them from the batch terms of
-    the same lengths (benchmarks/t5_checkpointing_fit.py). T5's relative position bias, per sequence (`position_bias`,
-    per heads·n²): the lookup and its gradient in the bias's dtype, and the int64 buckets its embedding's backward
-    keeps (8 per q·k, shared by the heads). Under checkpointing, the decoder's backward also holds the bias tensors
-    every checkpointed layer takes as input (`kept_position_bias`, per b·heads·q·k): the encoder's (b, heads, s, s)
-    and the cross-attention's (b, heads, l, s)."""
-    element = arch.bias_element_bytes
-    return {"position_bias": 2.0 * element + 8.0 / arch.heads, "kept_position_bias": float(element)}
+    """Coefficients of the terms that are counted, not fitted: `position_biases` is already in bytes (below)."""
+    return {"position_biases": 1.0}
+
+
+def _bias_bytes(
+    arch: Architecture, source_bias: float, label_bias: float, cross: float, source: int, label: int
+) -> float:
+    """Bytes of T5's relative position biases, which hold no batch dimension (transformers 5 keeps each stack's as
+    (1, heads, q, k) and adds the mask inside attention): `source_bias`/`label_bias` count each stack's (q, k)
+    lookup in the bias's dtype (1: kept; 2: and its gradient) plus the int64 buckets its embedding's backward keeps;
+    `cross` counts the decoder's zero bias over the source (1, heads, l, s), in the same dtype."""
+    element, heads = arch.bias_element_bytes, arch.heads
+    per_score = {0: 0.0, 1: element + 8.0 / heads, 2: 2 * element + 8.0 / heads}
+    return heads * (
+        per_score[source_bias] * source * source
+        + per_score[label_bias] * label * label
+        + cross * element * label * source
+    )
 
 
 def splits_branches(arch: Architecture, gradient_checkpointing: bool) -> bool:
@@ -214,39 +224,37 @@ def splits_branches(arch: Architecture, gradient_checkpointing: bool) -> bool:
 
 def decoder_branch_terms(batch: int, source: int, label: int, arch: Architecture) -> dict[str, float]:
     """Backward through the decoder and the logits: the encoder's kept checkpoints and output (per source token),
-    the decoder's tokens and logits, one decoder layer's kept scores (b·heads·q·k of self-attention, and of
-    cross-attention where it keeps them), its batch-free position bias and the position biases kept for the
-    checkpointed layers."""
-    scores = label * label + (label * source if arch.cross_attention_scores else 0)
-    terms = {
-        "constant": 1.0,
-        "encoder_tokens": float(batch * source),
-        "decoder_tokens": float(batch * label),
-        "attention_scores": float(batch * arch.heads * scores),
-    }
+    the decoder's tokens and logits, and one decoder layer's attention. With T5's position bias, whose gradients
+    here hold no batch dimension, that attention term is batch-free (heads·l², fitted: on an H200 it grew with the
+    label length, not the batch), and the biases are counted: the encoder's kept, the decoder's and the
+    cross-attention's with their gradients. Otherwise b·heads·q·k of the kinds of attention that keep scores."""
+    terms = {"constant": 1.0, "encoder_tokens": float(batch * source), "decoder_tokens": float(batch * label)}
     if arch.relative_position_bias:
-        terms["position_bias"] = float(arch.heads * label * label)
-        terms["kept_position_bias"] = float(batch * arch.heads * (source * source + label * source))
+        terms["attention_scores"] = float(arch.heads * label * label)
+        terms["position_biases"] = _bias_bytes(arch, 1, 0, 2, source, label)
+    else:
+        scores = label * label + (label * source if arch.cross_attention_scores else 0)
+        terms["attention_scores"] = float(batch * arch.heads * scores)
     return terms
 
 
 def encoder_branch_terms(batch: int, source: int, label: int, arch: Architecture) -> dict[str, float]:
-    """Backward through the encoder, after the decoder's memory is freed: its tokens, one encoder layer's kept scores
-    and its batch-free position bias."""
+    """Backward through the encoder, after the decoder's memory is freed: its tokens, one encoder layer's scores
+    (b·heads·s²) and, counted, its position bias with its gradient."""
     terms = {
         "constant": 1.0,
         "encoder_tokens": float(batch * source),
         "attention_scores": float(batch * arch.heads * source * source),
     }
     if arch.relative_position_bias:
-        terms["position_bias"] = float(arch.heads * source * source)
+        terms["position_biases"] = _bias_bytes(arch, 2, 0, 0, source, label)
     return terms
 
 
 def forward_terms(batch: int, source: int, label: int, arch: Architecture) -> dict[str, float]:
     """The forward, whose peak under checkpointing is one encoder layer's attention scores or the loss over the
-    logits, with every checkpoint and kept position bias held: tokens per stack, the encoder's scores (b·heads·s²,
-    the encoder's kept bias with them) and the decoder's kept biases (b·heads·(l² + l·s))."""
+    logits, with every checkpoint held: tokens per stack, the encoder's scores (b·heads·s²) and, counted, every
+    position bias the stacks keep for their backward."""
     terms = {
         "constant": 1.0,
         "encoder_tokens": float(batch * source),
@@ -254,7 +262,7 @@ def forward_terms(batch: int, source: int, label: int, arch: Architecture) -> di
         "attention_scores": float(batch * arch.heads * source * source),
     }
     if arch.relative_position_bias:
-        terms["kept_position_bias"] = float(batch * arch.heads * (label * label + label * source))
+        terms["position_biases"] = _bias_bytes(arch, 1, 1, 1, source, label)
     return terms
 
 
