@@ -166,6 +166,7 @@ def main() -> None:
     parser.add_argument("--work", default="/tmp/memfit-trial-throughput")
     parser.add_argument("--tokenizer", default=None)
     parser.add_argument("--set", nargs="*", default=[], help="more overrides, e.g. memory.pad_to_multiple_of=64")
+    parser.add_argument("--one-gpu", action="store_true", help="run the arms one after another on GPU 0")
     args = parser.parse_args()
     data, _ = make_data(Path(args.work))
     started = time.perf_counter()
@@ -177,10 +178,16 @@ def main() -> None:
             "gpu0": ("0", True, SEGMENT_CONFIGS[:half], LONG_STEPS),
             "gpu1": ("1", True, SEGMENT_CONFIGS[half:], LONG_STEPS),
         }
-    arms = {
-        name: arm(name, device, enforce, data, args, configs, steps)
-        for name, (device, enforce, configs, steps) in plan.items()
-    }
+    if args.one_gpu:  # every arm on GPU 0, one after another: the same runs, none beside another
+        arms = {}
+        for name, (_, enforce, configs, steps) in plan.items():
+            arms[name] = arm(name, "0", enforce, data, args, configs, steps)
+            arms[name].wait()
+    else:
+        arms = {
+            name: arm(name, device, enforce, data, args, configs, steps)
+            for name, (device, enforce, configs, steps) in plan.items()
+        }
     for process in arms.values():
         process.wait()
     out = {
@@ -188,6 +195,7 @@ def main() -> None:
         "model": args.model,
         "budget": args.budget,
         "overrides": args.set,
+        "one_gpu": args.one_gpu,
         "wall_s": time.perf_counter() - started,
         **{name: read_arm(name, args, plan[name][2]) for name in arms},
     }

@@ -48,6 +48,9 @@ def test_epoch_throughput_is_the_reports_epoch_estimate():
     assert outcome_of(report, None, 23.5, ["epoch_throughput"], 0.0).value == 987.0
     assert outcome_of(report, None, 23.5, ["throughput"], 0.0).value == 1234.0
     assert outcome_of(report, None, 23.5, ["epoch_throughput"], 0.0).attrs["epoch_tokens_per_s"] == 987.0
+    # a segment too short to fit the step-time model: the segment's own rate, not the worst value
+    del report["epoch_tokens_per_s"]
+    assert outcome_of(report, None, 23.5, ["epoch_throughput"], 0.0).value == 1234.0
 
 
 def test_a_crash_is_a_failed_trial_with_its_reason():

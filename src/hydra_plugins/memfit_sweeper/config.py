@@ -16,7 +16,7 @@ class MemfitSweeperConf:
     sampler: str = "tpe"  # tpe | random
     seed: int | None = 0
     direction: str | None = None  # null: the objective's own (maximize throughput, minimize loss)
-    objective: str = "throughput"  # throughput | loss | coverage | peak | pareto
+    objective: str = "epoch_throughput"  # epoch_throughput | throughput | loss | coverage | peak | pareto
     pareto: list[str] = field(default_factory=lambda: ["throughput", "loss"])  # objectives of objective=pareto
     coverage_floor: float = 0.0  # a trial keeping less than this share of label tokens is infeasible
     # tell without running a configuration the memory model predicts over budget × (1 + margin); null: never

@@ -85,6 +85,8 @@ def _objective_value(report: dict[str, Any], name: str) -> float | None:
     value = report.get(OBJECTIVES[name][0])
     if name == "loss" and value is None:
         value = report.get("final_loss")  # no validation data: the last training loss
+    if name == "epoch_throughput" and value is None:
+        value = report.get("tokens_per_s")  # too few steps to fit the step-time model: the segment's own rate
     return None if value is None else float(value)
 
 
