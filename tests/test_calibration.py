@@ -18,7 +18,7 @@ from memfit.calibration import (
     probe_plan,
     wanted,
 )
-from memfit.memory_model import Architecture, counted_terms, describe_architecture, model_state_bytes
+from memfit.memory_model import COUNTED_TERMS, Architecture, describe_architecture, model_state_bytes
 
 from .conftest import FAST
 from .test_preflight import _setup
@@ -138,7 +138,7 @@ def test_t5_under_checkpointing_is_calibrated_branch_by_branch(compose_cfg, tmp_
     for p in fitted.probes:
         branches = [p[f"{branch}_allocated"] for branch in ("forward", "decoder", "encoder")]
         assert min(branches) > 0 and max(branches) == p["allocated"]  # the three windows cover the step
-    counted = counted_terms(arch)
+    counted = COUNTED_TERMS
     for branch in (fitted.fit.backward, fitted.fit.encoder, fitted.fit.forward):
         assert branch.coefficients["position_biases"] == counted["position_biases"] == 1.0
     assert (

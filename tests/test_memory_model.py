@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from memfit.memory_model import (
+    COUNTED_TERMS,
     Architecture,
     FittedPeak,
     LinearFit,
     ModelStateBytes,
-    counted_terms,
     decoder_branch_terms,
     describe_architecture,
     encoder_branch_terms,
@@ -181,7 +181,7 @@ FORWARD_TRUTH = {"constant": 3.9e9, "encoder_tokens": 3.0e4, "decoder_tokens": 2
 
 
 def _branched_fit() -> FittedPeak:
-    counted = counted_terms(T5_LIKE)
+    counted = COUNTED_TERMS
     decoder, encoder, forward = (LinearFit({**t, **counted}) for t in (DECODER_TRUTH, ENCODER_TRUTH, FORWARD_TRUTH))
     return FittedPeak(decoder, 3.5e9, 1.05, encoder, forward)
 
@@ -198,7 +198,7 @@ def test_each_branch_fit_recovers_known_coefficients_from_the_branch_shapes():
     from memfit.calibration import calibration_shapes
 
     shapes = calibration_shapes(T5_LIKE, 4096, batch_scale=4, branches=True)
-    counted = counted_terms(T5_LIKE)
+    counted = COUNTED_TERMS
     for truth, terms in (
         (DECODER_TRUTH, decoder_branch_terms),
         (ENCODER_TRUTH, encoder_branch_terms),
@@ -238,7 +238,7 @@ def test_a_branched_peak_is_the_larger_branch_and_the_largest_batch_the_smaller_
     long_label = estimate_peak(2, 256, 2048, T5_LIKE, state, fit)
     assert long_source.phase == "encoder backward" and long_source.logits == 0  # the logits are freed by then
     assert long_label.phase == "decoder backward" and long_label.logits == 4 * 2 * 2048 * T5_LIKE.vocab_size
-    encoder = LinearFit({**ENCODER_TRUTH, **counted_terms(T5_LIKE)})
+    encoder = LinearFit({**ENCODER_TRUTH, **COUNTED_TERMS})
     assert long_source.allocated == round(encoder.predict(encoder_branch_terms(2, 3072, 128, T5_LIKE)))
     small = estimate_peak(1, 64, 16, T5_LIKE, state, fit)
     assert small.phase == "optimizer step" or small.allocated >= 3.5e9

@@ -1,7 +1,7 @@
 """Calibration of the memory model's per-token part: four cheap probes on the device, one per fitted term, fitted
 by least squares, cached per (model architecture, memory policy, device, library versions) so a sweep pays it once.
-Where a step's backward peaks in one of two branches (memory_model.splits_branches: T5 under gradient
-checkpointing), each probe measures the decoder's and the encoder's backward apart and each branch is fitted alone.
+Where a step peaks in one of three windows (memory_model.splits_branches: T5 under gradient checkpointing), each
+probe measures its forward, its decoder's backward and its encoder's backward apart, and each is fitted alone.
 
 A probe is the preflight's own measurement (forward, backward and optimizer steps on a batch of exactly that
 shape), so a calibrated model predicts what the preflight would measure: peak allocated and peak reserved. The fit
@@ -25,12 +25,12 @@ from omegaconf import DictConfig, OmegaConf
 from memfit.audit import BatchShape
 from memfit.lockfile import exclusive
 from memfit.memory_model import (
+    COUNTED_TERMS,
     Architecture,
     FittedPeak,
     LinearFit,
     ModelStateBytes,
     PeakEstimate,
-    counted_terms,
     decoder_branch_terms,
     encoder_branch_terms,
     estimate_peak,
@@ -74,8 +74,8 @@ def calibration_shapes(
     """Four shapes whose terms vary independently: the constant, tokens per stack and, where attention keeps its
     scores, long against short sequences at the same tokens. `tokens` sizes the probes' lengths (capped at the
     model's positions), `batch_scale` multiplies their batch; every length is a multiple of 8 (or of
-    pad_to_multiple_of). With `branches`, the shapes vary each branch's terms independently: batch and source
-    length crossed (the encoder's), label length apart from them (the decoder's)."""
+    pad_to_multiple_of). With `branches`, the shapes vary each window's terms independently: batch and source
+    length crossed (the encoder's), label length apart from them, one long (the decoder's)."""
     step = max(8, multiple or 8)
 
     def length(n: float) -> int:
@@ -236,7 +236,7 @@ def _measure(
     setup: Any, arch: Architecture, shapes: list[BatchShape], on_probe: Callable[[BatchShape], None] | None
 ) -> list[dict[str, Any]]:
     """Each shape's measured forward + backward and optimizer-step peaks (and, where the setup splits them, each
-    branch's backward peak); stops at the first OOM."""
+    window's: forward, decoder, encoder); stops at the first OOM."""
     from memfit.preflight import probe
 
     measured = []
@@ -266,7 +266,7 @@ def _fit_backward(
 
     def fit(terms: Any, peak: str) -> LinearFit:
         rows = [terms(m["batch"], m["source"], m["label"], arch) for m in measured]
-        return fit_terms(rows, [m[peak] for m in measured], counted_terms(arch))
+        return fit_terms(rows, [m[peak] for m in measured], COUNTED_TERMS)
 
     if not branches:
         return fit(shape_terms, "allocated"), None, None

@@ -116,8 +116,8 @@ class Architecture:
     # has no learned bias and takes the memory-efficient kernel (measured on an H200: ~0.4 bytes per score per layer,
     # against ~9 for its self-attention; benchmarks/README.md)
     cross_attention_scores: bool = False
-    # T5's relative position bias: computed once per sequence, not per batch row, as a (q, k, heads) float32 lookup
-    # from (q, k) int64 buckets; with gradient checkpointing its first layer's recomputation holds it again
+    # T5's relative position bias: computed once per sequence, not per batch row, as a (q, k, heads) lookup in the
+    # weights' dtype from (q, k) int64 buckets, and kept by every layer of its stack
     relative_position_bias: bool = False
     bias_element_bytes: int = 4  # the position bias's dtype: the weights' (float32 under mixed precision)
 
@@ -193,14 +193,11 @@ def logits_bytes(batch: int, source: int, label: int, arch: Architecture) -> int
     return 4 * batch * positions * arch.vocab_size
 
 
-def counted_terms(arch: Architecture) -> dict[str, float]:
-    """Coefficients of the terms that are counted, not fitted: `position_biases` is already in bytes (below)."""
-    return {"position_biases": 1.0}
+# Terms counted, not fitted, with their coefficients: `position_biases` is already in bytes (_bias_bytes)
+COUNTED_TERMS = {"position_biases": 1.0}
 
 
-def _bias_bytes(
-    arch: Architecture, source_bias: float, label_bias: float, cross: float, source: int, label: int
-) -> float:
+def _bias_bytes(arch: Architecture, source_bias: int, label_bias: int, cross: int, source: int, label: int) -> float:
     """Bytes of T5's relative position biases, which hold no batch dimension (transformers 5 keeps each stack's as
     (1, heads, q, k) and adds the mask inside attention): `source_bias`/`label_bias` count each stack's (q, k)
     lookup in the bias's dtype (1: kept; 2: and its gradient) plus the int64 buckets its embedding's backward keeps;
@@ -215,10 +212,10 @@ def _bias_bytes(
 
 
 def splits_branches(arch: Architecture, gradient_checkpointing: bool) -> bool:
-    """Whether a step's peak is the larger of two branches of backward rather than a sum of terms: an encoder-decoder
-    whose attention keeps its scores, under gradient checkpointing, peaks either in the decoder's backward (logits,
-    every kept checkpoint, the decoder layer recomputed) or in the encoder's (the encoder layer recomputed, with its
-    position bias), never in both at once."""
+    """Whether a step's peak is the largest of three windows rather than a sum of terms: an encoder-decoder whose
+    attention keeps its scores, under gradient checkpointing, peaks in its forward (an encoder layer's scores, or
+    the loss over the logits), in the decoder's backward (logits, every kept checkpoint, a decoder layer
+    recomputed) or in the encoder's (an encoder layer recomputed, with its position bias), one at a time."""
     return gradient_checkpointing and arch.quadratic_attention and arch.task == "seq2seq"
 
 
@@ -306,8 +303,8 @@ class PeakEstimate:
     """A predicted peak and what it is made of. weights/gradients/optimizer are the analytic counts; logits is the
     float32 logits copy; activations is the fitted per-token rest; `other` is the fitted constant beyond the model
     state (kernel workspaces, allocator rounding; negative where not every gradient exists at the peak). `phase`
-    says where the peak falls: in forward + backward (in the decoder's or the encoder's backward where those are
-    modelled apart), or in the optimizer step."""
+    says where the peak falls: in forward + backward (in the forward, the decoder's or the encoder's backward where
+    those are modelled apart), or in the optimizer step."""
 
     allocated: int
     reserved: int
