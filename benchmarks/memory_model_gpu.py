@@ -239,6 +239,7 @@ def measure_model(name: str, checkpointing: bool, args, out: dict, save) -> None
             row["step"] = [measured.step_peak.allocated, measured.step_peak.reserved]
             if measured.branch_peaks:
                 row["branches"] = {branch: peak.allocated for branch, peak in measured.branch_peaks.items()}
+                row["branches_reserved"] = {branch: peak.reserved for branch, peak in measured.branch_peaks.items()}
         group["rows"].append(row)
         save()
         print(

@@ -138,6 +138,7 @@ def test_t5_under_checkpointing_is_calibrated_branch_by_branch(compose_cfg, tmp_
     for p in fitted.probes:
         branches = [p[f"{branch}_allocated"] for branch in ("forward", "decoder", "encoder")]
         assert min(branches) > 0 and max(branches) == p["allocated"]  # the three windows cover the step
+        assert max(p[f"{branch}_reserved"] for branch in ("forward", "decoder", "encoder")) == p["reserved"]
     counted = COUNTED_TERMS
     for branch in (fitted.fit.backward, fitted.fit.encoder, fitted.fit.forward):
         assert branch.coefficients["position_biases"] == counted["position_biases"] == 1.0

@@ -254,7 +254,7 @@ def _measure(
             "step_reserved": result.step_peak.reserved,
         }
         for branch, peak in (result.branch_peaks or {}).items():
-            row[f"{branch}_allocated"] = peak.allocated
+            row[f"{branch}_allocated"], row[f"{branch}_reserved"] = peak.allocated, peak.reserved
         measured.append(row)
     return measured
 
