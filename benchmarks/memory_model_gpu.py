@@ -307,15 +307,11 @@ def errors(out: dict) -> dict:
             if errs:
                 table[f"{method}/{measured}"] = {"median": statistics.median(errs), "max": max(errs), "n": len(errs)}
     for shape_set in sorted({row.get("shape_set", "standard") for row in rows}):
-        errs = [
-            abs(row["predicted_allocated"] / row["allocated"] - 1) for row in rows if row.get("shape_set") == shape_set
-        ]
-        if errs:
-            table[f"memfit/allocated/{shape_set}"] = {
-                "median": statistics.median(errs),
-                "max": max(errs),
-                "n": len(errs),
-            }
+        for measured in ("allocated", "reserved"):
+            errs = [abs(r[f"predicted_{measured}"] / r[measured] - 1) for r in rows if r.get("shape_set") == shape_set]
+            if errs:
+                stats = {"median": statistics.median(errs), "max": max(errs), "n": len(errs)}
+                table[f"memfit/{measured}/{shape_set}"] = stats
     return table
 
 
