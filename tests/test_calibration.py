@@ -110,12 +110,13 @@ def test_the_key_changes_with_model_policy_device_and_versions(compose_cfg, monk
     assert calibration_key(identity(base, "cpu", 512)) != key
 
 
-def test_eager_causal_attention_under_checkpointing_is_not_calibrated(compose_cfg, tmp_path, caplog):
+@pytest.mark.parametrize("task", ["causal", "seq2seq"])
+def test_eager_attention_under_checkpointing_is_not_calibrated(compose_cfg, tmp_path, caplog, task):
     cfg = compose_cfg(*TINY, "memory.gradient_checkpointing=true", f"calibration.cache_dir={tmp_path}")
-    eager_causal = Architecture("causal", 100, 0, 2, 2, quadratic_attention=True)
+    eager = Architecture(task, 100, 0 if task == "causal" else 2, 2, 2, quadratic_attention=True)
     setup = SimpleNamespace(device="cpu")  # nothing is probed
-    assert calibrate(cfg, setup, eager_causal, None) is None
-    assert "not calibrated" in caplog.text and not list(tmp_path.glob("*.json"))
+    assert calibrate(cfg, setup, eager, None) is None
+    assert "models for T5 only" in caplog.text and not list(tmp_path.glob("*.json"))
 
 
 TINY_T5 = (

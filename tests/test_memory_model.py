@@ -186,8 +186,8 @@ def _branched_fit() -> FittedPeak:
     return FittedPeak(decoder, 3.5e9, 1.05, encoder, forward)
 
 
-def test_only_checkpointed_encoder_decoders_that_keep_scores_split_into_branches():
-    assert splits_branches(T5_LIKE, True) and splits_branches(EAGER, True)
+def test_only_t5_under_checkpointing_splits_into_windows():
+    assert splits_branches(T5_LIKE, True) and not splits_branches(EAGER, True)  # measured for T5 only
     assert not splits_branches(T5_LIKE, False) and not splits_branches(SEQ2SEQ, True)
     assert not splits_branches(Architecture("causal", 100, 0, 2, 2, quadratic_attention=True), True)
 
@@ -228,8 +228,6 @@ def test_t5_position_biases_are_counted_without_the_batch():
     assert decoder_branch_terms(3, s, l, T5_LIKE)["attention_scores"] == heads * l * l  # batch-free here
     bf16 = replace(T5_LIKE, bias_element_bytes=2)
     assert encoder_branch_terms(1, s, l, bf16)["position_biases"] == pytest.approx(heads * (4 + 8 / heads) * s * s)
-    assert "position_biases" not in decoder_branch_terms(3, s, l, EAGER)
-    assert decoder_branch_terms(3, s, l, EAGER)["attention_scores"] == 3 * heads * (l * l + l * s)
 
 
 def test_a_branched_peak_is_the_larger_branch_and_the_largest_batch_the_smaller_over_both():

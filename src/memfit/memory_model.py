@@ -212,26 +212,27 @@ def _bias_bytes(arch: Architecture, source_bias: int, label_bias: int, cross: in
 
 
 def splits_branches(arch: Architecture, gradient_checkpointing: bool) -> bool:
-    """Whether a step's peak is the largest of three windows rather than a sum of terms: an encoder-decoder whose
-    attention keeps its scores, under gradient checkpointing, peaks in its forward (an encoder layer's scores, or
-    the loss over the logits), in the decoder's backward (logits, every kept checkpoint, a decoder layer
-    recomputed) or in the encoder's (an encoder layer recomputed, with its position bias), one at a time."""
-    return gradient_checkpointing and arch.quadratic_attention and arch.task == "seq2seq"
+    """Whether a step's peak is the largest of three windows rather than a sum of terms: T5 under gradient
+    checkpointing peaks in its forward (an encoder layer's scores, or the loss over the logits), in the decoder's
+    backward (logits, every kept checkpoint, a decoder layer recomputed) or in the encoder's (an encoder layer
+    recomputed, with its position bias), one at a time. Measured on an H200 for T5 only: other attention that keeps
+    its scores (eager) under checkpointing is not modelled."""
+    return gradient_checkpointing and arch.relative_position_bias and arch.task == "seq2seq"
 
 
 def decoder_branch_terms(batch: int, source: int, label: int, arch: Architecture) -> dict[str, float]:
     """Backward through the decoder and the logits: the encoder's kept checkpoints and output (per source token),
-    the decoder's tokens and logits, and one decoder layer's attention. With T5's position bias, whose gradients
-    here hold no batch dimension, that attention term is batch-free (heads·l², fitted: on an H200 it grew with the
-    label length, not the batch), and the biases are counted: the encoder's kept, the decoder's and the
-    cross-attention's with their gradients. Otherwise b·heads·q·k of the kinds of attention that keep scores."""
-    terms = {"constant": 1.0, "encoder_tokens": float(batch * source), "decoder_tokens": float(batch * label)}
+    the decoder's tokens and logits, and one decoder layer's attention, batch-free like T5's position bias whose
+    gradients it holds (heads·l², fitted: on an H200 it grew with the label length, not the batch); the biases are
+    counted: the encoder's kept, the decoder's and the cross-attention's with their gradients."""
+    terms = {
+        "constant": 1.0,
+        "encoder_tokens": float(batch * source),
+        "decoder_tokens": float(batch * label),
+        "attention_scores": float(arch.heads * label * label),
+    }
     if arch.relative_position_bias:
-        terms["attention_scores"] = float(arch.heads * label * label)
         terms["position_biases"] = _bias_bytes(arch, 1, 0, 2, source, label)
-    else:
-        scores = label * label + (label * source if arch.cross_attention_scores else 0)
-        terms["attention_scores"] = float(batch * arch.heads * scores)
     return terms
 
 
