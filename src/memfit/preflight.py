@@ -199,7 +199,7 @@ class ProbeSetup:
     steps: int = 2
     accumulation: int = 1  # gradient accumulation: with it, a forward runs while the last micro-batch's grads exist
     generate: bool = False  # evaluation generates (predict_with_generate): probe generation of the full label length
-    split_branches: bool = False  # also measure the decoder's and the encoder's backward apart (seq2seq only)
+    split_branches: bool = False  # also measure the forward, the decoder's and the encoder's backward apart (T5)
 
 
 class _BranchMarker:
@@ -235,6 +235,7 @@ class _BranchMarker:
         """Closes this backward's window; the peak over the forward and both branches so far."""
         branch = "encoder" if self._reached_now else "decoder"
         self.peaks[branch] = self.peaks[branch].max(self.meter.window_peak())
+        self.meter.reset_window()
         self.backwards += 1
         self.reached += self._reached_now
         self._reached_now = False
@@ -282,7 +283,6 @@ def probe(setup: ProbeSetup, shape: BatchShape, eval_shape: BatchShape | None = 
                 del loss
                 if marker is not None:
                     backward = backward.max(marker.backward_done())
-                    setup.meter.reset_window()
             backward = backward.max(setup.meter.window_peak())
             setup.meter.reset_window()
             optimizer.step()
