@@ -18,7 +18,8 @@ from memfit.calibration import (
     probe_plan,
     wanted,
 )
-from memfit.memory_model import COUNTED_TERMS, Architecture, describe_architecture, model_state_bytes
+from memfit.memory_model import COUNTED_TERMS, WINDOW_TERMS, Architecture, describe_architecture, model_state_bytes
+from memfit.preflight import _BranchMarker
 
 from .conftest import FAST
 from .test_preflight import _setup
@@ -128,29 +129,29 @@ TINY_T5 = (
 )
 
 
-def test_t5_under_checkpointing_is_calibrated_branch_by_branch(compose_cfg, tmp_path):
-    """Each probe measures the decoder's and the encoder's backward apart (a grad hook on the encoder's output);
-    each branch is fitted alone, the position bias counted; the cached file gives back the same model."""
+def test_t5_under_checkpointing_is_calibrated_window_by_window(compose_cfg, tmp_path):
+    """Each probe measures six windows of the step apart (hooks on the stacks' outputs and their gradients); each
+    window is fitted alone, the position bias counted; the cached file gives back the same model."""
     cfg = compose_cfg(*TINY_T5, "memory.gradient_checkpointing=true", f"calibration.cache_dir={tmp_path}/cal")
     probed: list = []
     fitted = _calibrate(cfg, probed)
     arch = fitted.architecture
     assert arch.relative_position_bias and probed == calibration_shapes(arch, 512, 8, 4, branches=True)
     for p in fitted.probes:
-        branches = [p[f"{branch}_allocated"] for branch in ("forward", "decoder", "encoder")]
-        assert min(branches) > 0 and max(branches) == p["allocated"]  # the three windows cover the step
-        assert max(p[f"{branch}_reserved"] for branch in ("forward", "decoder", "encoder")) == p["reserved"]
-    counted = COUNTED_TERMS
-    for branch in (fitted.fit.backward, fitted.fit.encoder, fitted.fit.forward):
-        assert branch.coefficients["position_biases"] == counted["position_biases"] == 1.0
-    assert (
-        "decoder_tokens" in fitted.fit.backward.coefficients and "decoder_tokens" not in fitted.fit.encoder.coefficients
-    )
+        windows = [p[f"{window}_allocated"] for window in _BranchMarker.WINDOWS]
+        assert min(windows) > 0 and max(windows) == p["allocated"]  # six windows cover the step
+        assert max(p[f"{window}_reserved"] for window in _BranchMarker.WINDOWS) == p["reserved"]
+    assert list(fitted.fit.windows) == list(WINDOW_TERMS) == list(_BranchMarker.WINDOWS)
+    for window in fitted.fit.windows.values():
+        assert window.coefficients["position_biases"] == COUNTED_TERMS["position_biases"] == 1.0
+    assert "decoder_scores" in fitted.fit.windows["decoder_backward"].coefficients
+    assert "decoder_tokens" not in fitted.fit.windows["encoder_backward"].coefficients
     again = Calibration.from_json((tmp_path / "cal" / f"{fitted.key}.json").read_text())
     assert again.fit == fitted.fit
     shape = probed[-1]
     assert again.estimate(shape) == fitted.estimate(shape)
-    assert fitted.estimate(shape).phase in {"forward", "decoder backward", "encoder backward", "optimizer step"}
+    phases = {window.replace("_", " ") for window in WINDOW_TERMS} | {"optimizer step"}
+    assert fitted.estimate(shape).phase in phases
 
 
 def test_when_to_calibrate_and_how_large_the_probes_are(compose_cfg):

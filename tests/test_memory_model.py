@@ -10,17 +10,21 @@ import torch
 
 from memfit.memory_model import (
     COUNTED_TERMS,
+    WINDOW_TERMS,
     Architecture,
     FittedPeak,
     LinearFit,
     ModelStateBytes,
-    decoder_branch_terms,
+    decoder_backward_terms,
+    decoder_forward_terms,
     describe_architecture,
-    encoder_branch_terms,
+    encoder_backward_terms,
+    encoder_forward_terms,
     estimate_peak,
     fit_terms,
-    forward_terms,
+    head_terms,
     largest_batch,
+    logits_bytes,
     model_state_bytes,
     optimizer_state_bytes,
     shape_terms,
@@ -150,7 +154,7 @@ def test_the_fit_refuses_too_few_or_dependent_probes():
 
 def test_a_peak_is_the_larger_of_backward_and_the_optimizer_step_and_reserved_scales_it():
     backward = LinearFit({"constant": 10 * GIB, "encoder_tokens": 1e5, "decoder_tokens": 1e6})
-    fit = FittedPeak(backward, step_allocated=11 * GIB, reserved_ratio=1.05)
+    fit = FittedPeak({"backward": backward}, step_allocated=11 * GIB, reserved_ratio=1.05)
     state = ModelStateBytes(2 * GIB, 2 * GIB, 4 * GIB)
     small = estimate_peak(1, 128, 32, SEQ2SEQ, state, fit)  # backward: 10 GiB + 13 MB + 32 MB < the step's 11 GiB
     assert small.phase == "optimizer step" and small.allocated == 11 * GIB
@@ -158,32 +162,40 @@ def test_a_peak_is_the_larger_of_backward_and_the_optimizer_step_and_reserved_sc
     expected = 10 * GIB + 1e5 * 16 * 1024 + 1e6 * 16 * 256
     assert big.phase == "backward" and big.allocated == round(expected)
     assert big.reserved == round(1.05 * big.allocated)
+    cached = replace(fit, reserved_per_logits_byte=0.5)  # the allocator keeps half a byte cached per logits byte
+    assert estimate_peak(16, 1024, 256, SEQ2SEQ, state, cached).reserved == round(1.05 * big.allocated + big.logits / 2)
     assert big.logits == 4 * 16 * 256 * SEQ2SEQ.vocab_size
     assert big.activations == round(expected - 10 * GIB - big.logits) and big.other == 10 * GIB - state.total
 
 
 def test_the_largest_batch_predicted_to_fit_is_on_the_limit():
     backward = LinearFit({"constant": 10 * GIB, "encoder_tokens": 1e5, "decoder_tokens": 1e6})
-    fit = FittedPeak(backward, step_allocated=11 * GIB, reserved_ratio=1.05)
+    fit = FittedPeak({"backward": backward}, step_allocated=11 * GIB, reserved_ratio=1.05)
     state = ModelStateBytes(0, 0, 0)
     limit = 23.5 * GIB
-    batch = largest_batch(fit, 1024, 256, SEQ2SEQ, int(limit), upper=512)
-    assert estimate_peak(batch, 1024, 256, SEQ2SEQ, state, fit).reserved <= limit
-    assert estimate_peak(batch + 1, 1024, 256, SEQ2SEQ, state, fit).reserved > limit
+    for model in (fit, replace(fit, reserved_per_logits_byte=0.8)):
+        batch = largest_batch(model, 1024, 256, SEQ2SEQ, int(limit), upper=512)
+        assert 0 < batch < 512
+        assert estimate_peak(batch, 1024, 256, SEQ2SEQ, state, model).reserved <= limit
+        assert estimate_peak(batch + 1, 1024, 256, SEQ2SEQ, state, model).reserved > limit
     assert largest_batch(fit, 1024, 256, SEQ2SEQ, int(11 * GIB), upper=512) == 0  # the step alone is over
     assert largest_batch(fit, 8, 8, SEQ2SEQ, int(limit), upper=64) == 64
 
 
-# T5 under gradient checkpointing: the larger of two branches of backward
-DECODER_TRUTH = {"constant": 4.1e9, "encoder_tokens": 4.0e4, "decoder_tokens": 3.0e5, "attention_scores": 20.0}
-ENCODER_TRUTH = {"constant": 3.6e9, "encoder_tokens": 5.5e4, "attention_scores": 16.0}
-FORWARD_TRUTH = {"constant": 3.9e9, "encoder_tokens": 3.0e4, "decoder_tokens": 2.5e5, "attention_scores": 9.0}
+# T5 under gradient checkpointing: the largest of six windows of the step (coefficients of the size fitted on an H200)
+WINDOW_TRUTH = {
+    "encoder_forward": {"constant": 3.9e9, "encoder_tokens": 5.5e4, "encoder_scores": 9.6},
+    "decoder_forward": {"constant": 4.2e9, "encoder_tokens": 5.0e4, "decoder_tokens": 4.2e4, "decoder_scores": 10.7},
+    "head_forward": {"constant": 4.2e9, "encoder_tokens": 4.9e4, "decoder_tokens": 3.0e5},
+    "head_backward": {"constant": 3.7e9, "encoder_tokens": 4.9e4, "decoder_tokens": 3.6e5},
+    "decoder_backward": {"constant": 3.8e9, "encoder_tokens": 5.9e4, "decoder_tokens": 8.2e4, "decoder_scores": 14.1},
+    "encoder_backward": {"constant": 3.85e9, "encoder_tokens": 5.4e4, "encoder_scores": 15.8},
+}
 
 
-def _branched_fit() -> FittedPeak:
-    counted = COUNTED_TERMS
-    decoder, encoder, forward = (LinearFit({**t, **counted}) for t in (DECODER_TRUTH, ENCODER_TRUTH, FORWARD_TRUTH))
-    return FittedPeak(decoder, 3.5e9, 1.05, encoder, forward)
+def _windowed_fit() -> FittedPeak:
+    windows = {window: LinearFit({**truth, **COUNTED_TERMS}) for window, truth in WINDOW_TRUTH.items()}
+    return FittedPeak(windows, 3.5e9, 1.08, reserved_per_logits_byte=1.1)
 
 
 def test_only_t5_under_checkpointing_splits_into_windows():
@@ -192,23 +204,20 @@ def test_only_t5_under_checkpointing_splits_into_windows():
     assert not splits_branches(Architecture("causal", 100, 0, 2, 2, quadratic_attention=True), True)
 
 
-def test_each_branch_fit_recovers_known_coefficients_from_the_branch_shapes():
-    """Four probes, each measured in three windows: the decoder's four free terms, the encoder's three and the
-    forward's four are recovered, the position biases counted rather than fitted."""
+def test_each_window_fit_recovers_known_coefficients_from_the_branch_shapes():
+    """Four probes, each measured in six windows: every window's three or four free terms are recovered, the
+    position biases counted rather than fitted."""
     from memfit.calibration import calibration_shapes
 
     shapes = calibration_shapes(T5_LIKE, 4096, batch_scale=4, branches=True)
     counted = COUNTED_TERMS
-    for truth, terms in (
-        (DECODER_TRUTH, decoder_branch_terms),
-        (ENCODER_TRUTH, encoder_branch_terms),
-        (FORWARD_TRUTH, forward_terms),
-    ):
+    assert list(WINDOW_TERMS) == list(WINDOW_TRUTH)  # the order the marker measures them in
+    for window, terms in WINDOW_TERMS.items():
+        truth = {**WINDOW_TRUTH[window], **counted}
         rows = [terms(s.batch, s.source, s.label, T5_LIKE) for s in shapes]
-        peaks = [LinearFit({**truth, **counted}).predict(row) for row in rows]
-        fit = fit_terms(rows, peaks, counted)
-        every = {**truth, **counted}
-        assert fit.coefficients == pytest.approx({name: every[name] for name in rows[0]}, rel=1e-6)
+        assert set(rows[0]) == set(truth)
+        fit = fit_terms(rows, [LinearFit(truth).predict(row) for row in rows], counted)
+        assert fit.coefficients == pytest.approx(truth, rel=1e-6)
     assert len({(s.batch, s.source) for s in shapes}) == 4  # batch and source crossed, no pair probed twice
 
 
@@ -218,26 +227,31 @@ def test_t5_position_biases_are_counted_without_the_batch():
     the decoder's zero cross-attention bias (1, heads, l, s)."""
     heads, s, l = 12, 512, 128  # noqa: E741 - label length
     kept, with_gradient = 4 + 8 / heads, 8 + 8 / heads
-    assert encoder_branch_terms(3, s, l, T5_LIKE)["position_biases"] == pytest.approx(heads * with_gradient * s * s)
-    assert forward_terms(3, s, l, T5_LIKE)["position_biases"] == pytest.approx(
-        heads * (kept * (s * s + l * l) + 4 * l * s)
-    )
-    assert decoder_branch_terms(3, s, l, T5_LIKE)["position_biases"] == pytest.approx(
-        heads * (kept * s * s + 8 * l * s)
-    )
-    assert decoder_branch_terms(3, s, l, T5_LIKE)["attention_scores"] == heads * l * l  # batch-free here
+
+    def biases(terms) -> float:
+        return terms(3, s, l, T5_LIKE)["position_biases"]
+
+    assert biases(encoder_forward_terms) == pytest.approx(heads * kept * s * s)
+    assert biases(decoder_forward_terms) == biases(head_terms)
+    assert biases(head_terms) == pytest.approx(heads * (kept * (s * s + l * l) + 4 * l * s))
+    assert biases(decoder_backward_terms) == pytest.approx(heads * (kept * s * s + with_gradient * l * l + 8 * l * s))
+    assert biases(encoder_backward_terms) == pytest.approx(heads * with_gradient * s * s)
+    assert decoder_backward_terms(3, s, l, T5_LIKE)["decoder_scores"] == 3 * heads * l * l  # one layer's, per row
     bf16 = replace(T5_LIKE, bias_element_bytes=2)
-    assert encoder_branch_terms(1, s, l, bf16)["position_biases"] == pytest.approx(heads * (4 + 8 / heads) * s * s)
+    assert encoder_backward_terms(1, s, l, bf16)["position_biases"] == pytest.approx(heads * (4 + 8 / heads) * s * s)
 
 
-def test_a_branched_peak_is_the_larger_branch_and_the_largest_batch_the_smaller_over_both():
-    fit, state = _branched_fit(), ModelStateBytes(1 * GIB, 1 * GIB, 2 * GIB)
+def test_a_windowed_peak_is_the_largest_window_and_the_largest_batch_the_smallest_over_them():
+    fit, state = _windowed_fit(), ModelStateBytes(1 * GIB, 1 * GIB, 2 * GIB)
     long_source = estimate_peak(2, 3072, 128, T5_LIKE, state, fit)
-    long_label = estimate_peak(2, 256, 2048, T5_LIKE, state, fit)
+    long_label = estimate_peak(4, 256, 2048, T5_LIKE, state, fit)
+    many_rows = estimate_peak(64, 256, 256, T5_LIKE, state, fit)
     assert long_source.phase == "encoder backward" and long_source.logits == 0  # the logits are freed by then
-    assert long_label.phase == "decoder backward" and long_label.logits == 4 * 2 * 2048 * T5_LIKE.vocab_size
-    encoder = LinearFit({**ENCODER_TRUTH, **COUNTED_TERMS})
-    assert long_source.allocated == round(encoder.predict(encoder_branch_terms(2, 3072, 128, T5_LIKE)))
+    assert long_label.phase == "decoder backward" and long_label.logits == 0
+    assert many_rows.phase == "head backward" and many_rows.logits == logits_bytes(64, 256, 256, T5_LIKE)
+    encoder = LinearFit({**WINDOW_TRUTH["encoder_backward"], **COUNTED_TERMS})
+    assert long_source.allocated == round(encoder.predict(encoder_backward_terms(2, 3072, 128, T5_LIKE)))
+    assert long_source.reserved == round(1.08 * long_source.allocated + 1.1 * logits_bytes(2, 3072, 128, T5_LIKE))
     small = estimate_peak(1, 64, 16, T5_LIKE, state, fit)
     assert small.phase == "optimizer step" or small.allocated >= 3.5e9
     limit = int(20 * GIB)

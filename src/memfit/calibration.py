@@ -1,12 +1,13 @@
 """Calibration of the memory model's per-token part: four cheap probes on the device, one per fitted term, fitted
 by least squares, cached per (model architecture, memory policy, device, library versions) so a sweep pays it once.
-Where a step peaks in one of three windows (memory_model.splits_branches: T5 under gradient checkpointing), each
-probe measures its forward, its decoder's backward and its encoder's backward apart, and each is fitted alone.
+Where a step peaks in one of six windows (memory_model.splits_branches: T5 under gradient checkpointing), each
+probe measures the stacks' and the head's forward and backward apart, and each window is fitted alone.
 
 A probe is the preflight's own measurement (forward, backward and optimizer steps on a batch of exactly that
 shape), so a calibrated model predicts what the preflight would measure: peak allocated and peak reserved. The fit
 is over the forward + backward peaks; the optimizer step's peak, which no batch shape changes, is kept apart as a
-floor (the larger of the two is the step's peak); reserved is allocated times the allocator overhead the probes saw.
+floor (the larger of the two is the step's peak); reserved is allocated times the allocator overhead the probes saw,
+plus what the allocator keeps cached per byte of logits.
 """
 
 from __future__ import annotations
@@ -26,24 +27,23 @@ from memfit.audit import BatchShape
 from memfit.lockfile import exclusive
 from memfit.memory_model import (
     COUNTED_TERMS,
+    WINDOW_TERMS,
     Architecture,
     FittedPeak,
     LinearFit,
     ModelStateBytes,
     PeakEstimate,
-    decoder_branch_terms,
-    encoder_branch_terms,
     estimate_peak,
     fit_terms,
-    forward_terms,
     largest_batch,
-    shape_terms,
+    logits_bytes,
     splits_branches,
+    window_terms,
 )
 
 log = logging.getLogger(__name__)
 
-FORMAT = 5  # bump when what a calibration file holds or how it is fitted changes: old files are then not reused
+FORMAT = 6  # bump when what a calibration file holds or how it is fitted changes: old files are then not reused
 # memory knobs that change what a step holds for a given shape (lengths, padding and eval settings do not)
 POLICY_KNOBS = (
     "precision",
@@ -75,7 +75,7 @@ def calibration_shapes(
     scores, long against short sequences at the same tokens. `tokens` sizes the probes' lengths (capped at the
     model's positions), `batch_scale` multiplies their batch; every length is a multiple of 8 (or of
     pad_to_multiple_of). With `branches`, the shapes vary each window's terms independently: batch and source
-    length crossed (the encoder's), label length apart from them, one long (the decoder's)."""
+    length crossed (the encoder's windows), label length apart from them, one long (the decoder's)."""
     step = max(8, multiple or 8)
 
     def length(n: float) -> int:
@@ -88,7 +88,7 @@ def calibration_shapes(
 
     if arch.task == "causal":
         return [shape(1, tokens / 4, 0), shape(2, tokens / 4, 0), shape(1, tokens / 2, 0), shape(4, tokens / 16, 0)]
-    if branches:  # the last: one long label, so the decoder's batch-free attention term shows against its tokens
+    if branches:  # the last: one long label, so the decoder's attention scores show against its tokens
         return [
             shape(4, tokens / 8, tokens / 32),
             shape(4, tokens / 4, tokens / 32),
@@ -148,13 +148,10 @@ class Calibration:
             architecture=Architecture(**data["architecture"]),
             state=ModelStateBytes(**data["state"]),
             fit=FittedPeak(
-                LinearFit(data["fit"]["backward"]["coefficients"]),
+                {window: LinearFit(fit["coefficients"]) for window, fit in data["fit"]["windows"].items()},
                 data["fit"]["step_allocated"],
                 data["fit"]["reserved_ratio"],
-                *(
-                    LinearFit(data["fit"][branch]["coefficients"]) if data["fit"].get(branch) else None
-                    for branch in ("encoder", "forward")
-                ),
+                data["fit"]["reserved_per_logits_byte"],
             ),
             probes=data["probes"],
             seconds=data["seconds"],
@@ -253,28 +250,40 @@ def _measure(
             "step_allocated": result.step_peak.allocated,
             "step_reserved": result.step_peak.reserved,
         }
-        for branch, peak in (result.branch_peaks or {}).items():
-            row[f"{branch}_allocated"], row[f"{branch}_reserved"] = peak.allocated, peak.reserved
+        for window, peak in (result.branch_peaks or {}).items():
+            row[f"{window}_allocated"], row[f"{window}_reserved"] = peak.allocated, peak.reserved
         measured.append(row)
     return measured
 
 
-def _fit_backward(
-    arch: Architecture, measured: list[dict[str, Any]], branches: bool
-) -> tuple[LinearFit, LinearFit | None, LinearFit | None]:
-    """The backward fit, or the decoder's, the encoder's and the forward's, with T5's position biases counted."""
+def _fit_windows(arch: Architecture, measured: list[dict[str, Any]], branches: bool) -> dict[str, LinearFit]:
+    """One fit per window of the step (memory_model.WINDOW_TERMS where it splits), T5's position biases counted."""
 
-    def fit(terms: Any, peak: str) -> LinearFit:
+    def fit(window: str, peak: str) -> LinearFit:
+        terms = window_terms(window)
         rows = [terms(m["batch"], m["source"], m["label"], arch) for m in measured]
         return fit_terms(rows, [m[peak] for m in measured], COUNTED_TERMS)
 
     if not branches:
-        return fit(shape_terms, "allocated"), None, None
-    return (
-        fit(decoder_branch_terms, "decoder_allocated"),
-        fit(encoder_branch_terms, "encoder_allocated"),
-        fit(forward_terms, "forward_allocated"),
-    )
+        return {"backward": fit("backward", "allocated")}
+    return {window: fit(window, f"{window}_allocated") for window in WINDOW_TERMS}
+
+
+def _fit_reserved(arch: Architecture, measured: list[dict[str, Any]]) -> tuple[float, float]:
+    """Reserved as allocated × overhead + cached bytes per byte of logits, by least squares over the probes; where
+    the logits term comes out negative (no sign of it), the probes' mean reserved/allocated alone. (T5 with
+    checkpointing on an H200: the mean ratio alone missed reserved by up to 18%, with the logits term 11%.)"""
+    import numpy as np
+
+    allocated = np.array([m["allocated"] for m in measured], dtype=np.float64)
+    logits = np.array([logits_bytes(m["batch"], m["source"], m["label"], arch) for m in measured], dtype=np.float64)
+    reserved = np.array([m["reserved"] for m in measured], dtype=np.float64)
+    design = np.stack([allocated / allocated.max(), logits / max(logits.max(), 1.0)], axis=1)
+    (ratio, per_logit), *_ = np.linalg.lstsq(design, reserved, rcond=None)
+    ratio, per_logit = ratio / allocated.max(), per_logit / max(logits.max(), 1.0)
+    if per_logit < 0 or ratio <= 0:
+        return float(np.mean(reserved / allocated)), 0.0
+    return float(ratio), float(per_logit)
 
 
 def calibrate(
@@ -337,7 +346,7 @@ def _fit_and_cache(
         if len(measured) == len(shapes):
             break
         log.warning("memory model: a calibration probe did not fit the budget; probing smaller shapes")
-    if branches and any("encoder_allocated" not in m for m in measured):
+    if branches and any("encoder_backward_allocated" not in m for m in measured):
         log.warning(
             "memory model: not calibrated: no gradient reached the encoder's output (a frozen encoder?), so the "
             "probes could not measure the decoder's and the encoder's backward apart; the preflight still measures "
@@ -345,7 +354,7 @@ def _fit_and_cache(
         )
         return None
     try:
-        backward, encoder, forward = _fit_backward(arch, measured, branches)
+        windows = _fit_windows(arch, measured, branches)
     except (ValueError, IndexError) as err:
         log.warning(
             "memory model: not calibrated (%s): set calibration.probe_tokens lower than %d so the probes fit",
@@ -353,15 +362,8 @@ def _fit_and_cache(
             cfg.calibration.probe_tokens,
         )
         return None
-    # the step's peak is the same for every shape: the largest seen. Reserved over allocated is the allocator's
-    # overhead; its mean over the probes predicted held-apart shapes better than a separate fit (benchmarks/README.md)
-    fit = FittedPeak(
-        backward,
-        max(m["step_allocated"] for m in measured),
-        sum(m["reserved"] / m["allocated"] for m in measured) / len(measured),
-        encoder,
-        forward,
-    )
+    # the step's peak is the same for every shape: the largest seen
+    fit = FittedPeak(windows, max(m["step_allocated"] for m in measured), *_fit_reserved(arch, measured))
     calibration = Calibration(key, ident, arch, state, fit, measured, time.perf_counter() - start)
     cache_dir.mkdir(parents=True, exist_ok=True)
     (cache_dir / f"{key}.json").write_text(calibration.to_json())

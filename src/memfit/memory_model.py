@@ -212,59 +212,80 @@ def _bias_bytes(arch: Architecture, source_bias: int, label_bias: int, cross: in
 
 
 def splits_branches(arch: Architecture, gradient_checkpointing: bool) -> bool:
-    """Whether a step's peak is the largest of three windows rather than a sum of terms: T5 under gradient
-    checkpointing peaks in its forward (an encoder layer's scores, or the loss over the logits), in the decoder's
-    backward (logits, every kept checkpoint, a decoder layer recomputed) or in the encoder's (an encoder layer
-    recomputed, with its position bias), one at a time. Measured on an H200 for T5 only: other attention that keeps
-    its scores (eager) under checkpointing is not modelled."""
+    """Whether a step's peak is the largest of six windows rather than a sum of terms (WINDOW_TERMS): T5 under
+    gradient checkpointing holds only checkpoints and position biases between layers, so each window peaks on its
+    own transients (one layer's attention, or the logits), one at a time. Measured on an H200 for T5 only: other
+    attention that keeps its scores (eager) under checkpointing is not modelled."""
     return gradient_checkpointing and arch.relative_position_bias and arch.task == "seq2seq"
 
 
-def decoder_branch_terms(batch: int, source: int, label: int, arch: Architecture) -> dict[str, float]:
-    """Backward through the decoder and the logits: the encoder's kept checkpoints and output (per source token),
-    the decoder's tokens and logits, and one decoder layer's attention, batch-free like T5's position bias whose
-    gradients it holds (heads·l², fitted: on an H200 it grew with the label length, not the batch); the biases are
-    counted: the encoder's kept, the decoder's and the cross-attention's with their gradients."""
-    terms = {
-        "constant": 1.0,
+def _window_terms(
+    batch: int, source: int, label: int, arch: Architecture, names: tuple[str, ...], biases: tuple[int, int, int]
+) -> dict[str, float]:
+    """The terms a window keeps: a constant; `names` of tokens per stack (checkpoints, and in the head the logits)
+    and one layer's attention scores of the stack it runs in (b·heads·n²); and, counted, T5's position biases
+    (`biases`: _bias_bytes's source, label and cross counts)."""
+    values = {
         "encoder_tokens": float(batch * source),
         "decoder_tokens": float(batch * label),
-        "attention_scores": float(arch.heads * label * label),
+        "encoder_scores": float(batch * arch.heads * source * source),
+        "decoder_scores": float(batch * arch.heads * label * label),
     }
+    terms = {"constant": 1.0, **{name: values[name] for name in names}}
     if arch.relative_position_bias:
-        terms["position_biases"] = _bias_bytes(arch, 1, 0, 2, source, label)
+        terms["position_biases"] = _bias_bytes(arch, *biases, source, label)
     return terms
 
 
-def encoder_branch_terms(batch: int, source: int, label: int, arch: Architecture) -> dict[str, float]:
-    """Backward through the encoder, after the decoder's memory is freed: its tokens, one encoder layer's scores
-    (b·heads·s²) and, counted, its position bias with its gradient."""
-    terms = {
-        "constant": 1.0,
-        "encoder_tokens": float(batch * source),
-        "attention_scores": float(batch * arch.heads * source * source),
-    }
-    if arch.relative_position_bias:
-        terms["position_biases"] = _bias_bytes(arch, 2, 0, 0, source, label)
-    return terms
+def encoder_forward_terms(batch: int, source: int, label: int, arch: Architecture) -> dict[str, float]:
+    """The encoder's forward: its checkpoints and one layer's scores, over its kept position bias."""
+    return _window_terms(batch, source, label, arch, ("encoder_tokens", "encoder_scores"), (1, 0, 0))
 
 
-def forward_terms(batch: int, source: int, label: int, arch: Architecture) -> dict[str, float]:
-    """The forward, whose peak under checkpointing is one encoder layer's attention scores or the loss over the
-    logits, with every checkpoint held: tokens per stack, the encoder's scores (b·heads·s²) and, counted, every
-    position bias the stacks keep for their backward."""
-    terms = {
-        "constant": 1.0,
-        "encoder_tokens": float(batch * source),
-        "decoder_tokens": float(batch * label),
-        "attention_scores": float(batch * arch.heads * source * source),
-    }
-    if arch.relative_position_bias:
-        terms["position_biases"] = _bias_bytes(arch, 1, 1, 1, source, label)
-    return terms
+def decoder_forward_terms(batch: int, source: int, label: int, arch: Architecture) -> dict[str, float]:
+    """The decoder's forward: every checkpoint so far and one decoder layer's scores, over the kept biases."""
+    names = ("encoder_tokens", "decoder_tokens", "decoder_scores")
+    return _window_terms(batch, source, label, arch, names, (1, 1, 1))
+
+
+def head_terms(batch: int, source: int, label: int, arch: Architecture) -> dict[str, float]:
+    """The head's forward (logits and loss) and its backward, until the gradient reaches the decoder's output:
+    every checkpoint and the logits, per token, over the kept biases."""
+    return _window_terms(batch, source, label, arch, ("encoder_tokens", "decoder_tokens"), (1, 1, 1))
+
+
+def decoder_backward_terms(batch: int, source: int, label: int, arch: Architecture) -> dict[str, float]:
+    """The backward through the decoder: checkpoints, one decoder layer recomputed with its scores, and the
+    decoder's biases with their gradients (the self-attention's and the zero cross-attention one)."""
+    names = ("encoder_tokens", "decoder_tokens", "decoder_scores")
+    return _window_terms(batch, source, label, arch, names, (1, 2, 2))
+
+
+def encoder_backward_terms(batch: int, source: int, label: int, arch: Architecture) -> dict[str, float]:
+    """The backward through the encoder, after the decoder's memory is freed: its checkpoints, one encoder layer
+    recomputed with its scores, its position bias with its gradient."""
+    return _window_terms(batch, source, label, arch, ("encoder_tokens", "encoder_scores"), (2, 0, 0))
 
 
 Terms = Callable[[int, int, int, Architecture], dict[str, float]]
+
+# The windows of a step that splits (preflight._BranchMarker measures each apart), in the order they run: each is
+# fitted alone over its own terms, and the step's peak is the largest. Without a split there is one window,
+# "backward" (forward + backward), over shape_terms.
+WINDOW_TERMS: dict[str, Terms] = {
+    "encoder_forward": encoder_forward_terms,
+    "decoder_forward": decoder_forward_terms,
+    "head_forward": head_terms,
+    "head_backward": head_terms,
+    "decoder_backward": decoder_backward_terms,
+    "encoder_backward": encoder_backward_terms,
+}
+# the windows in which the float32 logits exist (for the breakdown)
+LOGITS_WINDOWS = ("backward", "head_forward", "head_backward")
+
+
+def window_terms(window: str) -> Terms:
+    return shape_terms if window == "backward" else WINDOW_TERMS[window]
 
 
 @dataclass(frozen=True)
@@ -330,29 +351,22 @@ class PeakEstimate:
 
 @dataclass(frozen=True)
 class FittedPeak:
-    """Peak memory of a training step as calibrated: the forward + backward peak is linear in shape_terms (or, where
-    the step splits into branches, the largest of three linear fits: `forward` over forward_terms, `backward` over
-    decoder_branch_terms and `encoder` over encoder_branch_terms); the optimizer step's peak does not depend on the
-    batch and is the floor (with checkpointing or small batches it can be the higher one); reserved memory is the
-    allocated peak times the caching allocator's overhead."""
+    """Peak memory of a training step as calibrated. Each window of the step (one, "backward", or the six of
+    WINDOW_TERMS where the step splits) is linear in its terms, and the forward + backward peak is the largest; the
+    optimizer step's peak does not depend on the batch and is the floor (with checkpointing or small batches it can
+    be the higher one). Reserved memory is the allocated peak times the caching allocator's overhead, plus what it
+    keeps cached per byte of logits: their blocks, the step's largest, are freed and seldom reused whole."""
 
-    backward: LinearFit
+    windows: dict[str, LinearFit]
     step_allocated: int
     reserved_ratio: float
-    encoder: LinearFit | None = None
-    forward: LinearFit | None = None
+    reserved_per_logits_byte: float = 0.0
 
     def branches(self) -> list[tuple[str, LinearFit, Terms]]:
-        if self.encoder is None or self.forward is None:
-            return [("backward", self.backward, shape_terms)]
-        return [
-            ("forward", self.forward, forward_terms),
-            ("decoder backward", self.backward, decoder_branch_terms),
-            ("encoder backward", self.encoder, encoder_branch_terms),
-        ]
+        return [(window, fit, window_terms(window)) for window, fit in self.windows.items()]
 
     def backward_peak(self, batch: int, source: int, label: int, arch: Architecture) -> tuple[str, LinearFit, float]:
-        """The branch that peaks highest, its fit and its predicted peak."""
+        """The window that peaks highest, its fit and its predicted peak."""
         predicted = [
             (name, fit, fit.predict(terms(batch, source, label, arch))) for name, fit, terms in self.branches()
         ]
@@ -361,41 +375,40 @@ class FittedPeak:
     def allocated(self, batch: int, source: int, label: int, arch: Architecture) -> float:
         return max(self.backward_peak(batch, source, label, arch)[2], self.step_allocated)
 
+    def reserved(self, batch: int, source: int, label: int, arch: Architecture) -> float:
+        logits = logits_bytes(batch, source, label, arch)
+        allocated = self.allocated(batch, source, label, arch)
+        return allocated * self.reserved_ratio + logits * self.reserved_per_logits_byte
+
 
 def estimate_peak(
     batch: int, source: int, label: int, arch: Architecture, state: ModelStateBytes, fit: FittedPeak
 ) -> PeakEstimate:
-    phase, branch, backward = fit.backward_peak(batch, source, label, arch)
+    window, branch, backward = fit.backward_peak(batch, source, label, arch)
     allocated = max(backward, fit.step_allocated)
     constant = branch.coefficients.get("constant", 0.0)
-    # the encoder's backward runs after the logits are freed
-    logits = 0 if phase == "encoder backward" else logits_bytes(batch, source, label, arch)
+    logits = logits_bytes(batch, source, label, arch) if window in LOGITS_WINDOWS else 0
     return PeakEstimate(
         allocated=round(allocated),
-        reserved=round(allocated * fit.reserved_ratio),
+        reserved=round(fit.reserved(batch, source, label, arch)),
         weights=state.weights,
         gradients=state.gradients,
         optimizer=state.optimizer,
         logits=logits,
         activations=round(backward - constant - logits),
         other=round(constant - state.total),
-        phase=phase if backward >= fit.step_allocated else "optimizer step",
+        phase=window.replace("_", " ") if backward >= fit.step_allocated else "optimizer step",
     )
 
 
 def largest_batch(fit: FittedPeak, source: int, label: int, arch: Architecture, limit: int, upper: int) -> int:
     """The largest batch whose predicted peak *reserved* (what the preflight judges) is within `limit` at these
-    lengths (0: not even one row), at most `upper`: the smallest over the branches of backward."""
-    allowed = limit / fit.reserved_ratio  # in allocated bytes
-    if fit.step_allocated > allowed:
-        return 0
-    largest = upper
-    for _, branch, terms in fit.branches():
-        fixed = branch.predict(terms(0, source, label, arch))  # what no batch row changes
-        per_row = branch.predict(terms(1, source, label, arch)) - fixed
-        room = allowed - fixed
-        if room < per_row:
-            return 0
-        if per_row > 0:
-            largest = min(largest, int(room // per_row))
-    return largest
+    lengths (0: not even one row), at most `upper`. Every window grows with the batch, so bisection finds it."""
+    low, high = 0, upper
+    while low < high:
+        middle = (low + high + 1) // 2
+        if fit.reserved(middle, source, label, arch) <= limit:
+            low = middle
+        else:
+            high = middle - 1
+    return low

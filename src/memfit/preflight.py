@@ -36,8 +36,8 @@ class Probe:
     # fits the first over shapes; the second does not depend on the shape)
     backward_peak: MemoryPeak | None = None
     step_peak: MemoryPeak | None = None
-    # with ProbeSetup.split_branches: the forward's peak, and backward's before and after the gradient reached the
-    # encoder's output ("forward", "decoder", "encoder")
+    # with ProbeSetup.split_branches: the peak of each of _BranchMarker.WINDOWS (the stacks' forwards, the backward
+    # through the logits, the decoder and the encoder)
     branch_peaks: dict[str, MemoryPeak] | None = None
 
     @property
@@ -203,46 +203,72 @@ class ProbeSetup:
 
 
 class _BranchMarker:
-    """Splits a seq2seq step's forward + backward window in three: the forward; the backward through the decoder and
-    logits, until the gradient reaches the encoder's output; the backward through the encoder. A grad hook on the
-    encoder's output tensor marks that moment; the marker only reads and resets the meter's window. (The forward
-    is kept apart because under checkpointing its transient attention scores would otherwise be read as the
-    decoder's backward.)"""
+    """Splits a seq2seq step's forward + backward into six windows, in the order they run: the encoder's forward;
+    the decoder's; the head's (logits and loss); the backward through the head (until the gradient reaches the
+    decoder's output); through the decoder (until it reaches the encoder's output); through the encoder. Hooks on
+    the two stacks' outputs mark those moments; the marker only reads and resets the meter's window. (Under
+    checkpointing each window peaks on its own transients, one layer's attention or the logits, over what the step
+    keeps; read together they would mix a sum with a maximum.)"""
+
+    WINDOWS = (
+        "encoder_forward",
+        "decoder_forward",
+        "head_forward",
+        "head_backward",
+        "decoder_backward",
+        "encoder_backward",
+    )
 
     def __init__(self, model: Any, meter: Any):
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         self.meter = meter
-        self.peaks = {"forward": MemoryPeak(0, 0), "decoder": MemoryPeak(0, 0), "encoder": MemoryPeak(0, 0)}
+        self.peaks = {window: MemoryPeak(0, 0) for window in self.WINDOWS}
         self.backwards = self.reached = 0  # backward passes, and those in which the gradient reached the encoder
-        self._reached_now = False
-        self._handle = base.get_encoder().register_forward_hook(self._on_encoder_output)
+        self._window = 0  # index into WINDOWS of the window now open
+        self._handles = [
+            base.get_encoder().register_forward_hook(self._on_encoder_output),
+            base.get_decoder().register_forward_hook(self._on_decoder_output),
+        ]
+
+    def _close(self, window: str) -> None:
+        """Ends `window`, the one open, and opens the next."""
+        self.peaks[window] = self.peaks[window].max(self.meter.window_peak())
+        self.meter.reset_window()
+        self._window = self.WINDOWS.index(window) + 1
 
     def _on_encoder_output(self, module: Any, args: Any, output: Any) -> None:
+        self._close("encoder_forward")
         hidden = output[0]
         if hidden.requires_grad:
             hidden.register_hook(self._on_encoder_gradient)
 
+    def _on_decoder_output(self, module: Any, args: Any, output: Any) -> None:
+        self._close("decoder_forward")
+        hidden = output[0]
+        if hidden.requires_grad:
+            hidden.register_hook(lambda grad: self._close("head_backward"))
+
     def _on_encoder_gradient(self, grad: Any) -> None:
-        self.peaks["decoder"] = self.peaks["decoder"].max(self.meter.window_peak())
-        self.meter.reset_window()
-        self._reached_now = True
+        self._close("decoder_backward")
+        self.reached += 1
 
     def forward_done(self) -> None:
-        self.peaks["forward"] = self.peaks["forward"].max(self.meter.window_peak())
-        self.meter.reset_window()
+        self._close("head_forward")
 
     def backward_done(self) -> MemoryPeak:
-        """Closes this backward's window; the peak over the forward and both branches so far."""
-        branch = "encoder" if self._reached_now else "decoder"
-        self.peaks[branch] = self.peaks[branch].max(self.meter.window_peak())
-        self.meter.reset_window()
+        """Closes this backward's last window; the peak over every window so far."""
+        reached = self._window == len(self.WINDOWS) - 1
+        self._close("encoder_backward" if reached else "decoder_backward")
         self.backwards += 1
-        self.reached += self._reached_now
-        self._reached_now = False
-        return self.peaks["forward"].max(self.peaks["decoder"]).max(self.peaks["encoder"])
+        self._window = 0
+        peak = MemoryPeak(0, 0)
+        for window_peak in self.peaks.values():
+            peak = peak.max(window_peak)
+        return peak
 
     def close(self) -> dict[str, MemoryPeak] | None:
-        self._handle.remove()
+        for handle in self._handles:
+            handle.remove()
         return self.peaks if self.backwards and self.reached == self.backwards else None
 
 
