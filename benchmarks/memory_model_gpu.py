@@ -94,8 +94,8 @@ FRESH_SHAPES_CHECKPOINTED = {
         (10, 256, 1280),
         (3, 1792, 1792),
     ],
-    # runs 10-11 (session 10): the probe reads five, then six windows of the step; design data for a model over them, not a
-    # held-apart set (batches at one long label, sources at one batch, both long)
+    # runs 10-11 (session 10): the probe reads five, then six windows of the step; design data for a model over
+    # them, not a held-apart set (batches at one long label, sources at one batch, both long)
     "explore10": [
         (1, 512, 2048),
         (2, 512, 2048),

@@ -458,6 +458,7 @@ def sweep_command(args: argparse.Namespace, data: Path, outputs: Path, sweep_dir
     """`python train.py -m sweep=budget` over this benchmark's space and data (args: model, budget, n_trials, seed,
     tokenizer; `space`, where present, replaces the model's space)."""
     space = getattr(args, "space", None) or SPACES[args.model]
+    steps = getattr(args, "segment_steps", SEGMENT_STEPS)  # None: the recipe's own segment
     return [
         sys.executable,
         "train.py",
@@ -466,7 +467,7 @@ def sweep_command(args: argparse.Namespace, data: Path, outputs: Path, sweep_dir
         f"model={args.model}",
         *data_overrides(data, args.tokenizer),
         f"budget.gib={args.budget:g}",
-        f"trainer.max_steps={SEGMENT_STEPS}",
+        *([f"trainer.max_steps={steps}"] if steps else []),
         f"hydra.sweeper.n_trials={args.n_trials}",
         f"hydra.sweeper.seed={args.seed}",
         f"hydra.sweeper.effective_batch={EFFECTIVE_BATCH}",
@@ -504,9 +505,18 @@ def live(args: argparse.Namespace) -> None:
             "number": t.number,
             "params": t.params,
             "state": t.state.name,
+            "values": t.values,
             **{
                 k: t.user_attrs.get(k)
-                for k in ("status", "gpu_seconds", "worst_case_peak_gib", "tokens_per_s", "not_run", "reason")
+                for k in (
+                    "status",
+                    "gpu_seconds",
+                    "worst_case_peak_gib",
+                    "tokens_per_s",
+                    "epoch_tokens_per_s",
+                    "not_run",
+                    "reason",
+                )
             },
         }
         for t in (study.trials if study else [])
@@ -557,6 +567,9 @@ def main() -> None:
     v.add_argument("--budget", type=float, required=True)
     v.add_argument("--n-trials", type=int, default=8)
     v.add_argument("--seed", type=int, default=0)
+    v.add_argument(
+        "--segment-steps", type=int, default=None, help="the trials' training segment (default: the recipe's own)"
+    )
     v.add_argument("--out", required=True)
     v.add_argument("--work", default="/tmp/memfit-strategies")
     v.add_argument("--tokenizer", default=None)
