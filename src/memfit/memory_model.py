@@ -376,8 +376,10 @@ class FittedPeak:
         return max(self.backward_peak(batch, source, label, arch)[2], self.step_allocated)
 
     def reserved(self, batch: int, source: int, label: int, arch: Architecture) -> float:
-        logits = logits_bytes(batch, source, label, arch)
-        allocated = self.allocated(batch, source, label, arch)
+        return self.reserved_from(self.allocated(batch, source, label, arch), logits_bytes(batch, source, label, arch))
+
+    def reserved_from(self, allocated: float, logits: int) -> float:
+        """Reserved for a step whose peak allocated is `allocated` and whose float32 logits take `logits` bytes."""
         return allocated * self.reserved_ratio + logits * self.reserved_per_logits_byte
 
 
@@ -387,10 +389,11 @@ def estimate_peak(
     window, branch, backward = fit.backward_peak(batch, source, label, arch)
     allocated = max(backward, fit.step_allocated)
     constant = branch.coefficients.get("constant", 0.0)
-    logits = logits_bytes(batch, source, label, arch) if window in LOGITS_WINDOWS else 0
+    every_logit = logits_bytes(batch, source, label, arch)
+    logits = every_logit if window in LOGITS_WINDOWS else 0  # held at the peak
     return PeakEstimate(
         allocated=round(allocated),
-        reserved=round(fit.reserved(batch, source, label, arch)),
+        reserved=round(fit.reserved_from(allocated, every_logit)),
         weights=state.weights,
         gradients=state.gradients,
         optimizer=state.optimizer,

@@ -199,7 +199,7 @@ class ProbeSetup:
     steps: int = 2
     accumulation: int = 1  # gradient accumulation: with it, a forward runs while the last micro-batch's grads exist
     generate: bool = False  # evaluation generates (predict_with_generate): probe generation of the full label length
-    split_branches: bool = False  # also measure the forward, the decoder's and the encoder's backward apart (T5)
+    split_branches: bool = False  # also measure the six windows of _BranchMarker apart (T5 under checkpointing)
 
 
 class _BranchMarker:
