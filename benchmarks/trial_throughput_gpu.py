@@ -82,6 +82,7 @@ def read_arm(name: str, args: argparse.Namespace, configs: list) -> list[dict]:
             return [m.value for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)]
 
         run_id = report.get("run_id")
+        metrics = client.get_run(run_id).data.metrics if run_id else {}
         rows.append(
             {
                 "config": [batch, source, label],
@@ -95,6 +96,9 @@ def read_arm(name: str, args: argparse.Namespace, configs: list) -> list[dict]:
                 "window_s": history("train/window_s", run_id) if run_id else [],
                 "new_shapes": history("train/new_shapes", run_id) if run_id else [],
                 "padding_share": history("train/padding_share", run_id) if run_id else [],
+                # the preflight's worst training shape: its first step (a new shape) and its repeats
+                "preflight_first_step_s": metrics.get("preflight/first_step_s"),
+                "preflight_repeat_step_s": metrics.get("preflight/repeat_step_s"),
             }
         )
     return rows
@@ -167,6 +171,9 @@ def main() -> None:
     parser.add_argument("--tokenizer", default=None)
     parser.add_argument("--set", nargs="*", default=[], help="more overrides, e.g. memory.pad_to_multiple_of=64")
     parser.add_argument("--one-gpu", action="store_true", help="run the arms one after another on GPU 0")
+    parser.add_argument(
+        "--long-steps", type=int, default=LONG_STEPS, help="segment: steps per run (≥ 51 covers one epoch)"
+    )
     args = parser.parse_args()
     data, _ = make_data(Path(args.work))
     started = time.perf_counter()
@@ -175,8 +182,8 @@ def main() -> None:
     else:  # long runs, half the configurations per GPU, under the cap as trials run
         half = len(SEGMENT_CONFIGS) // 2
         plan = {
-            "gpu0": ("0", True, SEGMENT_CONFIGS[:half], LONG_STEPS),
-            "gpu1": ("1", True, SEGMENT_CONFIGS[half:], LONG_STEPS),
+            "gpu0": ("0", True, SEGMENT_CONFIGS[:half], args.long_steps),
+            "gpu1": ("1", True, SEGMENT_CONFIGS[half:], args.long_steps),
         }
     if args.one_gpu:  # every arm on GPU 0, one after another: the same runs, none beside another
         arms = {}
@@ -202,7 +209,7 @@ def main() -> None:
     if args.mode == "segment":
         for name in arms:
             for row in out[name]:
-                if len(row["window_s"]) == LONG_STEPS:
+                if len(row["window_s"]) == args.long_steps:
                     plan = epoch_plan_for(args, data, row["config"])
                     row["epoch_plan"] = vars(plan)
                     row["estimates"] = {n: segment_estimates(row, n, plan) for n in (5, 10)}

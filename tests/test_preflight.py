@@ -50,6 +50,9 @@ def test_probe_leaves_weights_and_rng_exactly_as_before(compose_cfg, model):
     probes = probe(setup, BatchShape(2, 32, 16), BatchShape(2, 32, 16))
     assert [p.phase for p in probes] == ["train", "eval"] and not any(p.oom for p in probes)
     assert optimizers and optimizers[0].state  # the optimizer really stepped (its state existed)
+    train = probes[0]
+    assert len(train.step_seconds) == setup.steps and min(train.step_seconds) > 0  # each step timed apart
+    assert sum(train.step_seconds) <= train.seconds
     for name, param in setup.model.named_parameters():
         assert torch.equal(param, before[name]), name
         assert param.grad is None
@@ -174,3 +177,21 @@ def test_ways_out_are_judged_by_the_memory_model_when_there_is_one():
     label_way = next(w for w in ways if w.startswith("memory.max_label_length="))
     shorter = int(label_way.split("=")[1].split()[0])
     assert predict(BatchShape(8, 512, shorter)) <= limit < predict(BatchShape(8, 512, shorter + 8))
+
+
+def test_the_report_logs_the_step_times_of_its_longest_training_shape():
+    """A step on a padded shape met for the first time, and one repeating it: what a new shape costs a step
+    (issue 4's step-time model), from the probes the preflight runs anyway."""
+    from memfit.meter import MemoryPeak
+    from memfit.preflight import PreflightReport, Probe
+
+    peak = MemoryPeak(1, 1)
+    probes = [
+        Probe(BatchShape(4, 64, 16), "train", peak, step_seconds=(0.9, 0.2)),
+        Probe(BatchShape(4, 512, 64), "train", peak, step_seconds=(1.5, 0.5, 0.7)),
+        Probe(BatchShape(4, 512, 64), "eval", peak),
+    ]
+    metrics = PreflightReport(True, probes, 10, 10, "test", "seq2seq").metrics()
+    assert metrics["preflight/first_step_s"] == 1.5 and metrics["preflight/repeat_step_s"] == pytest.approx(0.6)
+    untimed = PreflightReport(True, probes[2:], 10, 10, "test", "seq2seq").metrics()
+    assert "preflight/first_step_s" not in untimed

@@ -36,6 +36,8 @@ class Probe:
     # fits the first over shapes; the second does not depend on the shape)
     backward_peak: MemoryPeak | None = None
     step_peak: MemoryPeak | None = None
+    # training probes: each optimizer step's wall seconds, the device synchronised (the first meets a new shape)
+    step_seconds: tuple[float, ...] = ()
     # with ProbeSetup.split_branches: the peak of each of _BranchMarker.WINDOWS (the stacks' forwards, the backward
     # through the logits, the decoder and the encoder)
     branch_peaks: dict[str, MemoryPeak] | None = None
@@ -80,6 +82,11 @@ class PreflightReport:
             "preflight/seconds": self.seconds,
             "preflight/headroom_gib": self.headroom_bytes / GIB,
         }
+        timed = [p for p in self.probes if p.phase == "train" and len(p.step_seconds) > 1]
+        if timed:  # a step on a padded shape met for the first time, and one repeating it (issue 4's step times)
+            longest = max(timed, key=lambda p: p.shape.tokens)
+            out["preflight/first_step_s"] = longest.step_seconds[0]
+            out["preflight/repeat_step_s"] = sum(longest.step_seconds[1:]) / (len(longest.step_seconds) - 1)
         if worst.peak:
             out["preflight/peak_allocated_gib"] = worst.peak.allocated_gib
             out["preflight/peak_reserved_gib"] = worst.peak.reserved_gib
@@ -272,6 +279,13 @@ class _BranchMarker:
         return self.peaks if self.backwards and self.reached == self.backwards else None
 
 
+def _synchronize(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
 def _free(device: str) -> None:
     gc.collect()
     if device == "cuda":
@@ -298,7 +312,9 @@ def probe(setup: ProbeSetup, shape: BatchShape, eval_shape: BatchShape | None = 
         backward = step = MemoryPeak(0, 0)
         marker = _BranchMarker(setup.model, setup.meter) if setup.split_branches else None
         start = time.perf_counter()
+        step_seconds = []
         for _ in range(setup.steps):
+            began = time.perf_counter()
             setup.meter.reset_window()
             for _ in range(min(setup.accumulation, 2)):  # the second micro-batch runs on top of held grads
                 with _autocast(setup.device, setup.precision):
@@ -314,11 +330,17 @@ def probe(setup: ProbeSetup, shape: BatchShape, eval_shape: BatchShape | None = 
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step = step.max(setup.meter.window_peak())
+            _synchronize(setup.device)
+            step_seconds.append(time.perf_counter() - began)
         static = setup.meter.current_bytes()  # weights + optimizer state (on CPU: the whole process)
         elapsed = time.perf_counter() - start
         branches = marker.close() if marker is not None else None
         marker = None
-        results.append(Probe(shape, "train", backward.max(step), static, None, elapsed, backward, step, branches))
+        results.append(
+            Probe(
+                shape, "train", backward.max(step), static, None, elapsed, backward, step, tuple(step_seconds), branches
+            )
+        )
         del batch
         if eval_shape is not None:
             phase, current = "eval", eval_shape
