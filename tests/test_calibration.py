@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from memfit.audit import BatchShape
 from memfit.calibration import (
     Calibration,
     cached,
@@ -19,7 +21,7 @@ from memfit.calibration import (
     wanted,
 )
 from memfit.memory_model import COUNTED_TERMS, WINDOW_TERMS, Architecture, describe_architecture, model_state_bytes
-from memfit.preflight import _BranchMarker
+from memfit.preflight import _BranchMarker, probe
 
 from .conftest import FAST
 from .test_preflight import _setup
@@ -263,3 +265,20 @@ def test_the_sweeper_tells_a_configuration_predicted_far_over_budget_without_run
     assert predictor.over_budget(big.params, big_gib / 1.05) is None
     # another policy (checkpointing) has no calibration of its own: it runs
     assert not sweep._told_without_running(study, ask(512, checkpointing=True), None)
+
+
+def test_a_frozen_encoder_leaves_t5_under_checkpointing_uncalibrated(compose_cfg, tmp_path, caplog):
+    """With no gradient reaching the encoder's output the probe cannot tell the decoder's backward from the
+    encoder's: the windows are not reported and the model says why, rather than fitting a wrong split. (memfit's
+    own checkpointed builds make the embeddings' output require grad, so a gradient reaches the encoder's output
+    even when its weights are frozen; the model here is built without that hook.)"""
+    cfg = compose_cfg(*TINY_T5, f"calibration.cache_dir={tmp_path}")
+    setup, _ = _setup(cfg)
+    for param in [*setup.model.get_encoder().parameters(), setup.model.get_input_embeddings().weight]:
+        param.requires_grad_(False)
+    windows = probe(replace(setup, split_branches=True), BatchShape(2, 32, 16))[0].branch_peaks
+    assert windows is None
+    arch = describe_architecture(setup.model, cfg.model.task)
+    checkpointed = compose_cfg(*TINY_T5, "memory.gradient_checkpointing=true", f"calibration.cache_dir={tmp_path}")
+    assert calibrate(checkpointed, setup, arch, model_state_bytes(setup.model, "adamw")) is None
+    assert "no gradient reached the encoder's output" in caplog.text and not list(tmp_path.glob("*.json"))
