@@ -492,6 +492,8 @@ def live(args: argparse.Namespace) -> None:
     path, _ = make_data(work)
     sweep_dir = work / f"live-{args.model}-{args.budget:g}"
     command = sweep_command(args, path, work / "outputs", sweep_dir, work / "presets")
+    if args.devices:  # one trial per GPU at once: the same sweep, sooner (GPU-seconds are counted per trial)
+        command.append(f"hydra.sweeper.devices=[{args.devices}]")
     started = time.perf_counter()
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     wall = time.perf_counter() - started
@@ -526,6 +528,7 @@ def live(args: argparse.Namespace) -> None:
         "budget": args.budget,
         "n_trials": args.n_trials,
         "seed": args.seed,
+        "devices": args.devices,
         "exit_code": done.returncode,
         "wall_s": wall,
         "results": results,
@@ -570,6 +573,7 @@ def main() -> None:
     v.add_argument(
         "--segment-steps", type=int, default=None, help="the trials' training segment (default: the recipe's own)"
     )
+    v.add_argument("--devices", default=None, help="GPUs to run trials on at once, e.g. 0,1 (default: one)")
     v.add_argument("--out", required=True)
     v.add_argument("--work", default="/tmp/memfit-strategies")
     v.add_argument("--tokenizer", default=None)
