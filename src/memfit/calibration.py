@@ -233,7 +233,7 @@ def _measure(
     setup: Any, arch: Architecture, shapes: list[BatchShape], on_probe: Callable[[BatchShape], None] | None
 ) -> list[dict[str, Any]]:
     """Each shape's measured forward + backward and optimizer-step peaks (and, where the setup splits them, each
-    window's: forward, decoder, encoder); stops at the first OOM."""
+    window's of preflight._BranchMarker.WINDOWS); stops at the first OOM."""
     from memfit.preflight import probe
 
     measured = []
@@ -271,19 +271,20 @@ def _fit_windows(arch: Architecture, measured: list[dict[str, Any]], branches: b
 
 def _fit_reserved(arch: Architecture, measured: list[dict[str, Any]]) -> tuple[float, float]:
     """Reserved as allocated × overhead + cached bytes per byte of logits, by least squares over the probes; where
-    the logits term comes out negative (no sign of it), the probes' mean reserved/allocated alone. (T5 with
-    checkpointing on an H200: the mean ratio alone missed reserved by up to 18%, with the logits term 11%.)"""
-    import numpy as np
-
-    allocated = np.array([m["allocated"] for m in measured], dtype=np.float64)
-    logits = np.array([logits_bytes(m["batch"], m["source"], m["label"], arch) for m in measured], dtype=np.float64)
-    reserved = np.array([m["reserved"] for m in measured], dtype=np.float64)
-    design = np.stack([allocated / allocated.max(), logits / max(logits.max(), 1.0)], axis=1)
-    (ratio, per_logit), *_ = np.linalg.lstsq(design, reserved, rcond=None)
-    ratio, per_logit = ratio / allocated.max(), per_logit / max(logits.max(), 1.0)
-    if per_logit < 0 or ratio <= 0:
-        return float(np.mean(reserved / allocated)), 0.0
-    return float(ratio), float(per_logit)
+    the logits term comes out negative (no sign of it) or cannot be told from allocated, the probes' mean
+    reserved/allocated alone. (T5 with checkpointing on an H200: the mean ratio alone missed reserved by up to 18%,
+    with the logits term 11%.)"""
+    rows = [
+        {"allocated": float(m["allocated"]), "logits": float(logits_bytes(m["batch"], m["source"], m["label"], arch))}
+        for m in measured
+    ]
+    try:
+        fitted = fit_terms(rows, [m["reserved"] for m in measured]).coefficients
+    except ValueError:
+        fitted = {"allocated": 0.0, "logits": -1.0}
+    if fitted["logits"] < 0 or fitted["allocated"] <= 0:
+        return sum(m["reserved"] / m["allocated"] for m in measured) / len(measured), 0.0
+    return fitted["allocated"], fitted["logits"]
 
 
 def calibrate(

@@ -8,6 +8,7 @@ returns a measured report. It leaves the model's weights, the RNG state and the 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import math
 import re
@@ -231,7 +232,7 @@ class _BranchMarker:
         self.meter = meter
         self.peaks = {window: MemoryPeak(0, 0) for window in self.WINDOWS}
         self.backwards = self.reached = 0  # backward passes, and those in which the gradient reached the encoder
-        self._window = 0  # index into WINDOWS of the window now open
+        self._reached_now = False
         self._handles = [
             base.get_encoder().register_forward_hook(self._on_encoder_output),
             base.get_decoder().register_forward_hook(self._on_decoder_output),
@@ -241,7 +242,6 @@ class _BranchMarker:
         """Ends `window`, the one open, and opens the next."""
         self.peaks[window] = self.peaks[window].max(self.meter.window_peak())
         self.meter.reset_window()
-        self._window = self.WINDOWS.index(window) + 1
 
     def _on_encoder_output(self, module: Any, args: Any, output: Any) -> None:
         self._close("encoder_forward")
@@ -257,21 +257,18 @@ class _BranchMarker:
 
     def _on_encoder_gradient(self, grad: Any) -> None:
         self._close("decoder_backward")
-        self.reached += 1
+        self._reached_now = True
 
     def forward_done(self) -> None:
         self._close("head_forward")
 
     def backward_done(self) -> MemoryPeak:
         """Closes this backward's last window; the peak over every window so far."""
-        reached = self._window == len(self.WINDOWS) - 1
-        self._close("encoder_backward" if reached else "decoder_backward")
+        self._close("encoder_backward" if self._reached_now else "decoder_backward")
         self.backwards += 1
-        self._window = 0
-        peak = MemoryPeak(0, 0)
-        for window_peak in self.peaks.values():
-            peak = peak.max(window_peak)
-        return peak
+        self.reached += self._reached_now
+        self._reached_now = False
+        return functools.reduce(MemoryPeak.max, self.peaks.values())
 
     def close(self) -> dict[str, MemoryPeak] | None:
         for handle in self._handles:
@@ -338,7 +335,15 @@ def probe(setup: ProbeSetup, shape: BatchShape, eval_shape: BatchShape | None = 
         marker = None
         results.append(
             Probe(
-                shape, "train", backward.max(step), static, None, elapsed, backward, step, tuple(step_seconds), branches
+                shape,
+                "train",
+                backward.max(step),
+                static,
+                seconds=elapsed,
+                backward_peak=backward,
+                step_peak=step,
+                step_seconds=tuple(step_seconds),
+                branch_peaks=branches,
             )
         )
         del batch
