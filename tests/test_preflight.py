@@ -43,6 +43,25 @@ def test_probe_batch_has_exactly_the_shape(compose_cfg):
 
 
 @pytest.mark.parametrize("model", ["tiny_seq2seq", "tiny_causal"])
+def test_probe_batch_carries_a_padding_mask_as_real_batches_do(compose_cfg, model):
+    setup, _ = _setup(compose_cfg(f"model={model}"))
+    task = "causal" if model == "tiny_causal" else "seq2seq"
+    batch = make_batch(BatchShape(3, 40, 24), setup.collator, task, setup.vocab_size, "cpu")
+    assert tuple(batch["input_ids"].shape) == (3, 40)
+    # one padded position, in the last row: attention takes its masked path, with the worst shape kept
+    assert batch["attention_mask"].sum().item() == 3 * 40 - 1 and batch["attention_mask"][-1, -1] == 0
+    single = make_batch(BatchShape(1, 40, 24), setup.collator, task, setup.vocab_size, "cpu")
+    assert single["attention_mask"].sum().item() == 39  # a lone row of 39 tokens is padded to the multiple of 8
+
+
+def test_probe_batch_of_one_row_is_unpadded_where_the_collator_would_not_pad(compose_cfg):
+    setup, _ = _setup(compose_cfg("model=tiny_seq2seq"))
+    setup.collator.pad_to_multiple_of = None  # padding to the longest row: a single row is never padded
+    single = make_batch(BatchShape(1, 37, 24), setup.collator, "seq2seq", setup.vocab_size, "cpu")
+    assert tuple(single["input_ids"].shape) == (1, 37) and single["attention_mask"].all()
+
+
+@pytest.mark.parametrize("model", ["tiny_seq2seq", "tiny_causal"])
 def test_probe_leaves_weights_and_rng_exactly_as_before(compose_cfg, model):
     setup, optimizers = _setup(compose_cfg(f"model={model}"))
     before = {n: p.detach().clone() for n, p in setup.model.named_parameters()}

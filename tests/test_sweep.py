@@ -325,6 +325,21 @@ def test_a_configuration_larger_than_an_infeasible_one_is_not_run():
     assert dominated_by({"trainer.batch_size": 8, "memory.max_label_length": 256, "x": 1}, [oom]) is None
 
 
+def test_a_trial_another_worker_failed_as_stale_does_not_stop_this_worker(caplog):
+    from memfit.sweep import BudgetSweep
+    from memfit.sweep.trials import TrialResult
+
+    sweep = BudgetSweep(coverage_floor=0.0, heartbeat_s=2)
+    sweep.objectives = ["throughput"]
+    study = optuna.create_study(direction="maximize")
+    trial = study.ask({"trainer.batch_size": optuna.distributions.CategoricalDistribution([4, 8])})
+    study.tell(trial, state=optuna.trial.TrialState.FAIL)  # another worker: its heartbeat came too late
+    report = {"status": "ok", "tokens_per_s": 100.0, "worst_case_peak_gib": 1.0}
+    sweep._tell_unless_failed_as_stale(study, trial, TrialResult(report, None, 3.0), None)
+    assert study.trials[trial.number].state == optuna.trial.TrialState.FAIL  # as the other worker left it
+    assert "failed it as stale" in caplog.text and "no heartbeat for 6 s" in caplog.text
+
+
 def test_a_configuration_measured_before_is_told_from_that_measurement_not_run_again():
     from memfit.sweep import BudgetSweep
 

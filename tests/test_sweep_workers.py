@@ -42,7 +42,9 @@ def _worker(
         str(ROOT / "train.py"),
         *base,
         "hydra.sweeper.isolation=launcher",  # the workers are the processes here; trials run inside them
-        "hydra.sweeper.heartbeat_s=1",  # stale after 3 s, so a killed worker's trial is failed quickly
+        # stale after 6 s, so a killed worker's trial is failed quickly, while four busy workers on two cores do
+        # not miss a beat by that much
+        "hydra.sweeper.heartbeat_s=2",
         "hydra.sweeper.poll_s=0.5",
         f"output_dir={tmp_path}/worker{index}",
         f"hydra.sweep.dir={tmp_path}/worker{index}/sweep",

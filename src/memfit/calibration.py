@@ -43,7 +43,8 @@ from memfit.memory_model import (
 
 log = logging.getLogger(__name__)
 
-FORMAT = 6  # bump when what a calibration file holds or how it is fitted changes: old files are then not reused
+FORMAT = 7  # bump when what a calibration file holds or how it is fitted changes: old files are then not reused
+# 7: probe batches carry a padding mask (preflight.make_batch), which holds more memory than none
 # memory knobs that change what a step holds for a given shape (lengths, padding and eval settings do not)
 POLICY_KNOBS = (
     "precision",
@@ -54,6 +55,7 @@ POLICY_KNOBS = (
     "lora_target_modules",
     "load_in_4bit",
     "expandable_segments",
+    "cudnn_attention",
 )
 
 

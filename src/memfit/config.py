@@ -89,6 +89,7 @@ class MemoryConfig:
     eval_enabled: bool = True
     eval_batch_size: int | None = None
     expandable_segments: bool = False
+    cudnn_attention: bool = False  # cuDNN plans every new padded shape on the host (policy.apply_attention_kernels)
     memory_fraction: float | None = None
     empty_cache_steps: int | None = None
 

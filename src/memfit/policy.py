@@ -36,6 +36,59 @@ def apply_allocator_env(memory: DictConfig) -> None:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, [current, "expandable_segments:True"]))
 
 
+def cpu_runs_bf16_fast() -> bool:
+    """Whether this CPU multiplies bf16 matrices through oneDNN (AVX-512 and newer). Without it torch multiplies
+    them in a plain loop: on an AVX2-only EPYC a default-job step under bf16 autocast took 105 s."""
+    import torch
+
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    if check is not None:
+        return bool(check())
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+def fall_back_to_fp32_on_slow_cpu(memory: DictConfig, device: str) -> list[str]:
+    """On a CPU without fast bf16, train in fp32: what bf16 saves is GPU memory, and there it would cost a run
+    its speed many times over. The preflight and training then both measure fp32, so the run stays consistent;
+    the recorded config says fp32. Returns the knobs changed."""
+    if device != "cpu" or cpu_runs_bf16_fast():
+        return []
+    changed = [knob for knob in ("precision", "weights_dtype") if memory[knob] == "bf16"]
+    for knob in changed:
+        memory[knob] = "fp32"
+    return changed
+
+
+def apply_attention_kernels(memory: DictConfig, device: str) -> None:
+    """Whether scaled-dot-product attention may use cuDNN's kernel. cuDNN builds a plan for each new input shape,
+    a host-side cost of a step that meets one, and length-grouped batches padded to a multiple of 8 meet dozens of
+    shapes an epoch; torch's memory-efficient kernel, which runs instead, has no such cost."""
+    if device != "cuda":
+        return
+    import torch
+
+    torch.backends.cuda.enable_cudnn_sdp(memory.cudnn_attention)
+
+
+def pin_one_gpu() -> str | None:
+    """Leave this process one GPU, the first it may see, unless a distributed launcher started it.
+
+    memfit's budget, preflight and meter are per device, but Trainer spreads a plain process over every GPU it
+    sees with DataParallel: the batch is split across them and the outputs gathered on the first, which then
+    holds more than the preflight measured, and the steps counted change. Runs under torchrun or accelerate
+    (WORLD_SIZE set) own one device per process already. It has to run before CUDA starts. Returns the device
+    kept when it narrowed the choice, else None."""
+    if "WORLD_SIZE" in os.environ or "LOCAL_RANK" in os.environ:
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = [d.strip() for d in visible.split(",") if d.strip()] if visible is not None else None
+    if devices is not None and len(devices) <= 1:
+        return None
+    kept = devices[0] if devices else "0"
+    os.environ["CUDA_VISIBLE_DEVICES"] = kept
+    return kept
+
+
 @dataclass(frozen=True)
 class BudgetCap:
     budget_bytes: int | None  # what the run must fit in; None = the whole device

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from memfit.config import ConfigError, validate
 from memfit.data import DataError
-from memfit.policy import apply_allocator_env, resolve_device
+from memfit.policy import apply_allocator_env, fall_back_to_fp32_on_slow_cpu, pin_one_gpu, resolve_device
 
 log = logging.getLogger("memfit")
 
@@ -495,8 +495,11 @@ def _fill_from_preflight(report: RunReport, preflight: Any, audit: Any, ctx: dic
 def run(cfg: DictConfig) -> RunReport:
     """Validate and load data (bad input raises before any model load or record), then audit, preflight, train."""
     clock = StartupClock()
+    # before anything initialises CUDA, validation included (it may ask whether CUDA is available)
+    apply_allocator_env(cfg.memory)
+    if cfg.trainer.device != "cpu" and (kept := pin_one_gpu()) is not None:
+        log.info("training on one GPU (CUDA_VISIBLE_DEVICES=%s): budget and preflight are per device", kept)
     validate(cfg)
-    apply_allocator_env(cfg.memory)  # before anything initialises CUDA
     from memfit.preconditions import check_before_run, check_budget
 
     check_before_run(cfg)
@@ -505,11 +508,16 @@ def run(cfg: DictConfig) -> RunReport:
     from memfit.data import load_and_tokenize
     from memfit.meter import make_meter
     from memfit.models import build_tokenizer
-    from memfit.policy import apply_budget
+    from memfit.policy import apply_attention_kernels, apply_budget
     from memfit.preflight import PreflightFailed
     from memfit.tracking import flatten, start_tracking
 
     device = resolve_device(cfg)
+    if changed := fall_back_to_fp32_on_slow_cpu(cfg.memory, device):
+        log.warning(
+            "this CPU has no fast bf16 (no AVX-512): training in fp32, not bf16 (%s); memory measured is fp32's",
+            ", ".join(f"memory.{knob}" for knob in changed),
+        )
     set_seed(cfg.trainer.seed)
     clock.lap("checks")
     tokenizer = build_tokenizer(cfg.model)
@@ -520,6 +528,7 @@ def run(cfg: DictConfig) -> RunReport:
     if problems := check_budget(cfg, device, meter.total_bytes()):
         raise ConfigError(problems)
     cap = apply_budget(cfg, device, meter.total_bytes())
+    apply_attention_kernels(cfg.memory, device)
     clock.lap("device")  # on CUDA: the context's start
     log.info("device %s, memory meter: %s, budget: %s", device, meter.label, cap.label)
     resume = find_resume_point(cfg)

@@ -311,6 +311,22 @@ class BudgetSweep:
     def _limit_gib(self) -> float | None:
         return self.budget_gib - self.config.budget.margin_gib if self.budget_gib else None
 
+    def _tell_unless_failed_as_stale(self, study: Any, trial: Any, result: Any, child: Any) -> None:
+        """Tell a trial's outcome, unless another worker has already failed it as stale: its heartbeat came late
+        (an overloaded host can starve the beating thread), it was failed and queued again, and its retry runs
+        it. This worker goes on with the study instead of stopping on Optuna's refusal."""
+        from optuna.exceptions import UpdateFinishedTrialError
+
+        try:
+            self._tell(study, trial, result, child)
+        except UpdateFinishedTrialError:
+            log.warning(
+                "trial %d: another worker failed it as stale while it ran (no heartbeat for %g s); "
+                "its result is dropped and its retry runs it again",
+                trial.number,
+                3 * (self.settings.heartbeat_s or 0),
+            )
+
     def _tell(self, study: Any, trial: Any, result: Any, child: Any) -> TrialOutcome:
         import optuna
 
@@ -664,7 +680,7 @@ class BudgetSweep:
             for beat in beats:
                 beat.join()
         for trial, result, child in zip(trials, results, children, strict=True):
-            self._tell(study, trial, result, child)
+            self._tell_unless_failed_as_stale(study, trial, result, child)
         with self.told:
             self.told_count += len(trials)
             self.told.notify_all()
