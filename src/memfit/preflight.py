@@ -144,8 +144,8 @@ def make_batch(shape: BatchShape, collator: Any, task: str, vocab_size: int, dev
 
     Its last input row is one token short wherever the collator pads it back to `shape`, so the batch carries a
     padding mask, as real batches of rows of unequal length do. Attention over a padding mask is another path than
-    over none (an explicit 4-D mask, and SDPA's kernels that take one), and it holds more memory: on an H200 a
-    batch of equal rows under-stated training's peak by 0.7-4 GiB (pegasus_large, qwen2_5_1_5b;
+    over none (an explicit 4-D mask, and SDPA's kernels that take one), and it holds more memory: on an H200 the
+    padded probe measured 0.15-0.63 GiB more than one of equal rows (pegasus_large, qwen2_5_1_5b;
     benchmarks/README.md). Where the collator would not pad the short row back (one row, no pad multiple), real
     batches of that shape carry no padding either, and every row is full.
     """
