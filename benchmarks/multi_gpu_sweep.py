@@ -431,6 +431,9 @@ def main() -> None:
     r.add_argument("--n-trials", type=int, default=8)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--wide", action="store_true", help="the wider space of WIDE_SPACES (for longer sweeps)")
+    r.add_argument(
+        "--segment-steps", type=int, default=5, help="each trial's training segment (5 in every recorded run)"
+    )
     r.add_argument("--no-prestart", dest="prestart", action="store_false", help="hydra.sweeper.prestart=false")
     r.add_argument("--prestart-ahead", type=int, default=2, help="hydra.sweeper.prestart_ahead (the sweeper's default)")
     r.add_argument("--pin-cores", action="store_true", help="hydra.sweeper.pin_cores=true")

