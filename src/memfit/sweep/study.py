@@ -273,6 +273,8 @@ class BudgetSweep:
         from memfit.tracking import open_run
 
         tags = {"mlflow.parentRunId": parent.run_id, "memfit.trial": str(trial.number)}
+        if trial.user_attrs.get("explored"):  # queued by the sweeper, not proposed by the sampler (_queue_unexplored)
+            tags["memfit.explored"] = "true"
         child = open_run(self.config, f"trial-{trial.number}", tags)
         child.log_params({f"trial.{k}": v for k, v in trial.params.items()})
         trial.set_user_attr("run_id", child.run_id)
