@@ -122,8 +122,9 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serving(command: list[str], port: int, cwd: Path, timeout_s: float = 90) -> Iterator[str]:
-    """Run an MLflow server command until the block ends; yields its base URL once /health answers."""
+def serving(command: list[str], port: int, cwd: Path, timeout_s: float = 90, health: str = "/health") -> Iterator[str]:
+    """Run a server command (MLflow's, optuna-dashboard) until the block ends; yields its base URL once `health`
+    answers 200."""
     server = subprocess.Popen(
         command, cwd=cwd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
@@ -132,16 +133,15 @@ def serving(command: list[str], port: int, cwd: Path, timeout_s: float = 90) -> 
         deadline = time.time() + timeout_s
         while True:
             try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-                    assert response.read().decode().strip() == "OK"
+                with urllib.request.urlopen(f"{url}{health}", timeout=2):
                     break
             except OSError:
                 assert server.poll() is None, f"{command[:2]} exited with {server.returncode}"
-                assert time.time() < deadline, f"{command[:2]} did not answer /health within {timeout_s:.0f} s"
+                assert time.time() < deadline, f"{command[:2]} did not answer {health} within {timeout_s:.0f} s"
                 time.sleep(1)
         yield url
     finally:
-        os.killpg(server.pid, signal.SIGTERM)  # mlflow leaves worker processes behind otherwise
+        os.killpg(server.pid, signal.SIGTERM)  # mlflow and gunicorn leave worker processes behind otherwise
         server.wait(timeout=30)
 
 

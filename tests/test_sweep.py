@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import urllib.request
+
 import optuna
 import pytest
 from mlflow.tracking import MlflowClient
@@ -10,7 +13,7 @@ from omegaconf import OmegaConf
 from memfit.sweep import outcome_of, parse_search
 from memfit.tracking import default_tracking_uri
 
-from .conftest import readme_command, run_train_py
+from .conftest import free_port, readme_command, run_train_py, serving
 
 
 def test_search_space_from_recipe_and_command_line():
@@ -259,6 +262,39 @@ def test_the_readme_budget_sweep_finds_and_exports_a_preset(readme_budget_sweep,
     assert run.data.params["budget.gib"] == "1.6"
     assert exported.memory.max_source_length == 256 and exported.memory.precision == "fp32"  # fixed settings too
     assert "trainer.max_steps" not in run.data.params or exported.trainer.get("max_steps") is None
+
+
+def test_optuna_dashboard_shows_the_readme_sweeps_trials_with_constraints_and_reasons(readme_budget_sweep):
+    """The README's dashboard command, on the README sweep's study: a real optuna-dashboard on 127.0.0.1."""
+    from importlib.metadata import requires
+
+    from packaging.requirements import Requirement
+
+    swept, _ = readme_budget_sweep
+    extra = [Requirement(r) for r in requires("memfit") if "dashboard" in r]
+    assert [r.name for r in extra if r.marker.evaluate({"extra": "dashboard"})] == ["optuna-dashboard"]
+    assert readme_command('pip install -e ".[dashboard]"')
+    command = readme_command("optuna-dashboard")
+    assert command[1] == "sqlite:///outputs/optuna.db" and command[command.index("--host") + 1] == "127.0.0.1"
+    port = free_port()
+    command[command.index("--port") + 1] = str(port)
+    command[1] = f"sqlite:///{swept}/optuna.db"
+    with serving(command, port, cwd=swept, health="/api/studies") as url:
+        studies = _get_json(f"{url}/api/studies")["study_summaries"]
+        (study,) = [s for s in studies if s["study_name"] == "memfit-tiny_seq2seq-aclsum-1.6GiB"]
+        trials = _get_json(f"{url}/api/studies/{study['study_id']}?after=0")["trials"]
+    stored = optuna.load_study(study_name=study["study_name"], storage=f"sqlite:///{swept}/optuna.db").trials
+    assert len(trials) == len(stored)
+    attrs = [{a["key"]: a["value"] for a in t["user_attrs"]} for t in trials]
+    assert all({"status", "gpu_seconds", "constraint_memory_gib"} <= set(a) for a in attrs)
+    # the dashboard shows Optuna 5's named constraints only through these attributes (memfit.sweep.outcome)
+    assert [float(a["constraint_memory_gib"]) for a in attrs] == [t.constraints["memory_gib"] for t in stored]
+    assert any(a.get("reason", "").startswith("not run: ") for a in attrs)  # told without running, and why
+
+
+def _get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.loads(response.read())
 
 
 # A memory-like synthetic problem: peak grows with batch × tokens, throughput saturates in batch and rewards longer

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from memfit.sweep.outcome import WORST, directions
+from memfit.sweep.outcome import WORST, constraint_attrs, directions
 from memfit.sweep.space import INFEASIBLE_STATUSES
 
 log = logging.getLogger("memfit.sweep")
@@ -54,7 +54,12 @@ def reuse_measurements(study: Any, earlier: list[Any], limit_gib: float | None, 
                     params=trial.params,
                     distributions=trial.distributions,
                     values=values,
-                    user_attrs={**trial.user_attrs, "reused_from": origin, "gpu_seconds": 0.0},
+                    user_attrs={
+                        **trial.user_attrs,
+                        **constraint_attrs(constraints),
+                        "reused_from": origin,
+                        "gpu_seconds": 0.0,
+                    },
                     constraints=constraints,
                 )
             )

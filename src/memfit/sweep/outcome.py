@@ -127,6 +127,20 @@ def constraint_dict(trial: Any) -> dict[str, float]:
     return dict(constraints) if isinstance(constraints, dict) else {f"c{i}": v for i, v in enumerate(constraints)}
 
 
+def constraint_attrs(constraints: dict[str, float]) -> dict[str, float]:
+    """The constraints again as user attributes (`constraint_memory_gib`, ...): optuna-dashboard (0.21) reads only
+    the list that samplers' constraints_func wrote, not Optuna 5's named constraints, so it would show none."""
+    return {f"constraint_{key}": value for key, value in constraints.items()}
+
+
+def constrain(trial: Any, constraints: dict[str, float]) -> None:
+    """Tell a running trial its constraints (> 0: infeasible), for the sampler and for the dashboard."""
+    for key, value in constraints.items():
+        trial.set_constraint(key, value)
+    for key, value in constraint_attrs(constraints).items():
+        trial.set_user_attr(key, value)
+
+
 def is_feasible(trial: Any) -> bool:
     import optuna
 

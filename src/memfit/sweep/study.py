@@ -24,6 +24,7 @@ from memfit.lockfile import HOST, pid_alive
 from memfit.progress import progress_bar
 from memfit.sweep.outcome import (
     TrialOutcome,
+    constrain,
     constraint_dict,
     directions,
     is_feasible,
@@ -349,8 +350,7 @@ class BudgetSweep:
                 trial.set_user_attr(key, value)
         if self.predictor is not None:
             self.predictor.learn(trial.params, outcome.attrs.get("calibration"), trial.number)
-        for key, value in outcome.constraints.items():
-            trial.set_constraint(key, value)
+        constrain(trial, outcome.constraints)
         if outcome.state == "complete":
             study.tell(trial, outcome.values)
         else:
@@ -467,8 +467,7 @@ class BudgetSweep:
         attrs = {**attrs, "not_run": True, "gpu_seconds": 0.0}  # bookkeeping: not part of n_trials
         for key, value in attrs.items():
             trial.set_user_attr(key, value)
-        for key, value in constraints.items():
-            trial.set_constraint(key, value)
+        constrain(trial, constraints)
         if attrs["status"] == "surplus":  # another worker measures it: nothing to tell the sampler, no MLflow run
             import optuna
 
