@@ -436,7 +436,8 @@ class BudgetSweep:
             if source.user_attrs.get("reason"):
                 reason = f"{reason}; {source.user_attrs['reason']}"
             attrs = {**source.user_attrs, "repeat_of": source.number, "reason": reason}
-            for measured_only in ("run_id", "device"):  # the repeat has no MLflow run of its own, held no device
+            # the repeat has no MLflow run of its own, held no device, and the sampler (not the sweeper) proposed it
+            for measured_only in ("run_id", "device", "explored"):
                 attrs.pop(measured_only, None)
             return attrs, source.values, constraint_dict(source)
         if (blocker := dominated_by(params, finished)) is not None:
@@ -649,7 +650,8 @@ class BudgetSweep:
         seed = None if self.settings.seed is None else self.settings.seed + len(study.trials)
         draw = optuna.samplers.RandomSampler(seed=seed).sample_independent
         waiting = (optuna.trial.TrialState.WAITING, optuna.trial.TrialState.RUNNING)
-        pending = [t.params or t.system_attrs.get("fixed_params", {}) for t in study.get_trials(states=waiting)]
+        queued = study.get_trials(deepcopy=False, states=waiting)
+        pending = [t.params or t.system_attrs.get("fixed_params", {}) for t in queued]
         for _ in range(EXPLORE_DRAWS):
             params = {name: draw(study, None, name, distribution) for name, distribution in space.items()}
             if params in pending or self._known_outcome(study, params) is not None:
