@@ -619,6 +619,10 @@ class BudgetSweep:
                 continue
             free = max(n_trials - done - running, retries)
             count = 1 if device is not None else min(self.settings.n_jobs, free)
+            # queued right before the ask that takes it, so that no exit from this loop leaves it WAITING
+            if told_in_a_row >= EXPLORE_AFTER and not self._queue_unexplored(study, space):
+                log.info("stopping after %d trials run: every configuration left to try is measured or known", done)
+                break
             trials = []
             for trial in [self._ask(study, space) for _ in range(count)]:
                 if self._over_quota(study, trial):
@@ -626,9 +630,6 @@ class BudgetSweep:
                 elif not self._told_without_running(study, trial, parent):
                     trials.append(trial)
             told_in_a_row = 0 if trials else told_in_a_row + count
-            if not trials and told_in_a_row >= EXPLORE_AFTER and not self._queue_unexplored(study, space):
-                log.info("stopping after %d trials run: every configuration left to try is measured or known", done)
-                break
             if told_in_a_row >= patience:
                 log.info(
                     "stopping after %d trials run: the sampler proposed %d known configurations in a row",
@@ -643,8 +644,8 @@ class BudgetSweep:
     def _queue_unexplored(self, study: Any, space: dict[str, Any]) -> bool:
         """Queue a configuration drawn at random from the space whose outcome is not known yet (not measured, not
         dominated, not below the coverage floor, not predicted over budget, not queued or running): the next ask
-        takes it, and the sampler learns from its result as from any other. False when EXPLORE_DRAWS draws found
-        none: the space is (all but) exhausted."""
+        takes it (another worker's ask may take it first: then that worker runs it), and the sampler learns from its
+        result as from any other. False when EXPLORE_DRAWS draws found none: the space is (all but) exhausted."""
         import optuna
 
         seed = None if self.settings.seed is None else self.settings.seed + len(study.trials)
