@@ -497,8 +497,7 @@ def run(cfg: DictConfig) -> RunReport:
     clock = StartupClock()
     # before anything initialises CUDA, validation included (it may ask whether CUDA is available)
     apply_allocator_env(cfg.memory)
-    if cfg.trainer.device != "cpu" and (kept := pin_one_gpu()) is not None:
-        log.info("training on one GPU (CUDA_VISIBLE_DEVICES=%s): budget and preflight are per device", kept)
+    kept_gpu = pin_one_gpu() if cfg.trainer.device != "cpu" else None
     validate(cfg)
     from memfit.preconditions import check_before_run, check_budget
 
@@ -513,6 +512,8 @@ def run(cfg: DictConfig) -> RunReport:
     from memfit.tracking import flatten, start_tracking
 
     device = resolve_device(cfg)
+    if kept_gpu is not None and device == "cuda":  # said only where a GPU trains (on CPU the narrowing is moot)
+        log.info("training on one GPU (CUDA_VISIBLE_DEVICES=%s): budget and preflight are per device", kept_gpu)
     if changed := fall_back_to_fp32_on_slow_cpu(cfg.memory, device):
         log.warning(
             "this CPU has no fast bf16 (no AVX-512): training in fp32, not bf16 (%s); memory measured is fp32's",
