@@ -358,7 +358,9 @@ class SweepData:
         self.calibrations = calibrations
 
 
-def memfit_sweep(views: list[dict], budget: float, seed: int, n_trials: int, objective: str, data: SweepData) -> dict:
+def memfit_sweep(
+    views: list[dict], budget: float, seed: int, n_trials: int, objective: str, data: SweepData, fill_budget: int
+) -> dict:
     import optuna
     from omegaconf import OmegaConf
 
@@ -378,6 +380,7 @@ def memfit_sweep(views: list[dict], budget: float, seed: int, n_trials: int, obj
         objective=objective,
         coverage_floor=COVERAGE_FLOOR,
         effective_batch=EFFECTIVE_BATCH,
+        fill_budget=fill_budget,
         seed=seed,
         heartbeat_s=None,  # one in-memory study, no other workers
     )
@@ -421,6 +424,7 @@ def replay(args: argparse.Namespace) -> None:
         "seeds": args.seeds,
         "budgets": args.budgets,
         "objective": args.objective,
+        "fill_budget": args.fill_budget,
         "tables": args.tables,
         "models": {},
     }
@@ -434,7 +438,9 @@ def replay(args: argparse.Namespace) -> None:
             runs = {"tpe_fail": [], "memfit": []}
             for seed in range(args.seeds):
                 runs["tpe_fail"].append(tpe_fail(views, budget, seed, args.n_trials))
-                runs["memfit"].append(memfit_sweep(views, budget, seed, args.n_trials, args.objective, data))
+                runs["memfit"].append(
+                    memfit_sweep(views, budget, seed, args.n_trials, args.objective, data, args.fill_budget)
+                )
             per_budget[str(budget)] = {"grid": exhaustive, **{k: summarise(v, exhaustive) for k, v in runs.items()}}
             print(json.dumps({model: {budget: per_budget[str(budget)]}}, default=str)[:2000], flush=True)
         results["models"][model] = per_budget
@@ -580,6 +586,9 @@ def live(args: argparse.Namespace) -> None:
                     "epoch_tokens_per_s",
                     "not_run",
                     "reason",
+                    "explored",
+                    "fills_budget",
+                    "predicted",
                 )
             },
         }
@@ -633,6 +642,7 @@ def main() -> None:
         default=str(ROOT / "benchmarks" / "results" / "calibration"),
         help="copies of the calibrations the measured trials made (memfit predicts from them); '' for none",
     )
+    r.add_argument("--fill-budget", type=int, default=2, help="hydra.sweeper.fill_budget (0: the sampler alone)")
     r.add_argument("--work", default="/tmp/memfit-strategies", help="where the long-tail data set is built")
     r.add_argument("--out", required=True)
     f = sub.add_parser("fullpass")

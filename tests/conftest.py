@@ -99,7 +99,7 @@ def readme_command(prefix: str) -> list[str]:
     raise AssertionError(f"README has no command starting with {prefix!r}")
 
 
-# timeout: the README compare_policies run took 298 s on an AVX-512 host and over 600 s on 2 cores of an AVX2 EPYC
+# timeout: README runs have taken up to 298 s on an AVX-512 host and over 600 s on 2 cores of an AVX2 EPYC
 def run_train_py(*args: str, cwd: Path = ROOT, timeout: int = 1500, quiet: bool = True) -> subprocess.CompletedProcess:
     """`python train.py ARGS` in a fresh process, as a user runs it (quiet: as under CI, no progress bars)."""
     env = train_py_env()

@@ -213,7 +213,31 @@ def test_bad_calibration_settings_are_one_line_each(compose_cfg):
     assert "estimate_only=true and preflight_only=true" in text
 
 
-def test_the_sweeper_tells_a_configuration_predicted_far_over_budget_without_running_it(compose_cfg, tmp_path):
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    """A tiny model's config and the calibration file a sweep's first trial reports (made once for the module)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from memfit.config import register_configs
+
+    from .conftest import CONF
+
+    tmp = tmp_path_factory.mktemp("calibrated")
+    # host RSS is coarse: probes of 2048 tokens make the per-token growth stand out of the allocator's noise
+    settings = [o for o in TINY if not o.startswith("calibration.probe_tokens")]
+    overrides = [f"output_dir={tmp / 'outputs'}", *settings, "calibration.probe_tokens=2048"]
+    overrides += ["data.max_train_samples=48", f"calibration.cache_dir={tmp / 'cal'}"]
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    GlobalHydra.instance().clear()
+    calibration = _calibrate(cfg)  # what the sweep's first trial does in its own process
+    return cfg, str(tmp / "cal" / f"{calibration.key}.json")
+
+
+def test_the_sweeper_tells_a_configuration_predicted_far_over_budget_without_running_it(calibrated):
     import optuna
 
     from memfit.sweep import BudgetSweep
@@ -221,12 +245,7 @@ def test_the_sweeper_tells_a_configuration_predicted_far_over_budget_without_run
     from memfit.sweep.screen import data_lengths
     from memfit.sweep.trials import TrialResult
 
-    # host RSS is coarse: probes of 2048 tokens make the per-token growth stand out of the allocator's noise
-    settings = [o for o in TINY if not o.startswith("calibration.probe_tokens")]
-    cfg = compose_cfg(*settings, "calibration.probe_tokens=2048", "data.max_train_samples=48")
-    cfg.calibration.cache_dir = str(tmp_path / "cal")
-    calibration = _calibrate(cfg)  # what the sweep's first trial does in its own process
-    path = str(tmp_path / "cal" / f"{calibration.key}.json")
+    cfg, path = calibrated
     space = {
         "trainer.batch_size": optuna.distributions.CategoricalDistribution([2, 512]),
         "memory.gradient_checkpointing": optuna.distributions.CategoricalDistribution([False, True]),
@@ -265,6 +284,71 @@ def test_the_sweeper_tells_a_configuration_predicted_far_over_budget_without_run
     assert predictor.over_budget(big.params, big_gib / 1.05) is None
     # another policy (checkpointing) has no calibration of its own: it runs
     assert not sweep._told_without_running(study, ask(512, checkpointing=True), None)
+
+
+def test_once_calibrated_the_fullest_predicted_fit_is_tried_next_for_a_throughput_objective(calibrated):
+    """Tokens/s grows with the work a step does, which is what fills memory: the configuration predicted to fill the
+    most of the limit without passing it is queued for the next ask, fill_budget times per study; a preflight that
+    finds it over makes the next fullest the next one. Not while a part of the space has no calibration yet."""
+    import optuna
+
+    from memfit.sweep import BudgetSweep
+    from memfit.sweep.predict import MemoryPredictor
+    from memfit.sweep.screen import data_lengths
+    from memfit.sweep.trials import TrialResult
+
+    cfg, path = calibrated
+    batches = [1, 2, 8, 32, 128, 512]
+    space = {
+        "trainer.batch_size": optuna.distributions.CategoricalDistribution(batches),
+        "memory.gradient_checkpointing": optuna.distributions.CategoricalDistribution([False, True]),
+    }
+    predictor = MemoryPredictor(data_lengths(space, cfg), cfg, margin=0.1, effective_batch=None)
+    sweep = BudgetSweep(coverage_floor=0.0, predict_margin=0.1, fill_budget=2)
+    sweep.objectives, sweep.config, sweep.predictor, sweep.budget_gib = ["throughput"], cfg, predictor, 100.0
+    study = optuna.create_study(direction="maximize")
+    assert not sweep._queue_fullest_fit(study, space)  # nothing calibrated yet: the sampler proposes
+
+    def run(params: dict, status: str, peak: float, calibration: str | None = None):
+        study.enqueue_trial(params)
+        trial = study.ask(space)
+        report = {"status": status, "tokens_per_s": 10.0, "worst_case_peak_gib": peak, "limit_gib": 1.5}
+        sweep._tell(study, trial, TrialResult({**report, "calibration": calibration}, None, 3.0), None)
+
+    run({"trainer.batch_size": 1, "memory.gradient_checkpointing": False}, "ok", 1.0, calibration=path)
+    gib = {
+        b: predictor.predicted_gib({"trainer.batch_size": b, "memory.gradient_checkpointing": False})[0]
+        for b in batches
+    }
+    assert [gib[b] for b in batches] == sorted(gib.values()) and gib[128] < gib[512]
+    # a limit between batch 128's prediction and batch 512's
+    sweep.budget_gib = (gib[128] + gib[512]) / 2 + cfg.budget.margin_gib
+    limit = sweep._limit_gib()
+    # checkpointing has no calibration of its own yet, and may hold a fuller fit: no fill
+    assert not sweep._queue_fullest_fit(study, space)
+    # once its outcome is known (batch 1 did not fit, so no larger batch does), the fill goes ahead
+    run({"trainer.batch_size": 1, "memory.gradient_checkpointing": True}, "preflight_failed", limit + 1)
+
+    def fill_then_tell(status: str) -> int:
+        assert sweep._queue_fullest_fit(study, space)
+        trial = study.ask(space)
+        assert trial.user_attrs["fills_budget"] is True and not trial.params["memory.gradient_checkpointing"]
+        peak = limit + (0.5 if status == "preflight_failed" else -0.5)
+        report = {"status": status, "tokens_per_s": 50.0, "worst_case_peak_gib": peak, "limit_gib": limit}
+        sweep._tell(study, trial, TrialResult(report, None, 3.0), None)
+        return trial.params["trainer.batch_size"]
+
+    assert fill_then_tell("preflight_failed") == 128  # the prediction was low: measured over the limit
+    assert fill_then_tell("ok") == 32  # the next fullest; 128 is measured, 512 dominated and predicted over
+    assert not sweep._queue_fullest_fit(study, space)  # fill_budget=2 spent: the sampler proposes from here
+    assert not study.trials[0].user_attrs.get("fills_budget")
+
+    # a loss objective (or a Pareto front) is not maximised by filling memory: never queued
+    sweep.settings.fill_budget = 3
+    sweep.objectives = ["loss"]
+    assert not sweep._queue_fullest_fit(study, space)
+    sweep.objectives = ["throughput"]
+    assert sweep._queue_fullest_fit(study, space) and study.ask(space).params["trainer.batch_size"] == 8
 
 
 def test_a_frozen_encoder_leaves_t5_under_checkpointing_uncalibrated(compose_cfg, tmp_path, caplog):

@@ -27,6 +27,18 @@ def test_search_space_from_recipe_and_command_line():
     assert fixed == ["model=tiny_seq2seq"]
 
 
+def test_every_configuration_of_a_finite_space_and_none_of_a_continuous_or_huge_one():
+    from memfit.sweep.space import configurations
+
+    space, _ = parse_search(["trainer.batch_size=choice(2,4)", "memory.max_label_length=range(32,97,32)"], {})
+    assert configurations(space) == [
+        {"trainer.batch_size": b, "memory.max_label_length": label} for b in (2, 4) for label in (32, 64, 96)
+    ]
+    assert configurations(space, limit=5) is None  # 6 configurations: too many to predict one by one
+    continuous, _ = parse_search(["trainer.learning_rate=interval(1e-5,1e-3)"], {})
+    assert configurations(continuous) is None
+
+
 def test_a_run_that_does_not_fit_is_an_infeasible_complete_trial():
     report = {"status": "preflight_failed", "worst_case_peak_gib": 30.0, "label_coverage": 1.0}
     outcome = outcome_of(report, None, 23.5, ["throughput"], 0.99)
@@ -217,7 +229,7 @@ def test_pinned_cores_keep_hyperthread_siblings_together_and_prefer_one_numa_nod
 @pytest.mark.xdist_group("readme_budget_sweep")
 def test_the_readme_budget_sweep_finds_and_exports_a_preset(readme_budget_sweep, tmp_path):
     swept, first = readme_budget_sweep
-    name, storage = "memfit-tiny_seq2seq-aclsum-1.6GiB", f"sqlite:///{swept}/optuna.db"
+    name, storage = "memfit-tiny_seq2seq-aclsum-1.7GiB", f"sqlite:///{swept}/optuna.db"
     study = optuna.load_study(study_name=name, storage=storage)
     assert all(t.constraints for t in study.trials)  # a constraint on every trial, told ones included
     ran = [t for t in study.trials if not t.user_attrs.get("not_run")]
@@ -245,7 +257,7 @@ def test_the_readme_budget_sweep_finds_and_exports_a_preset(readme_budget_sweep,
         if r.info.status == "FAILED"
     )
 
-    preset = swept / "presets" / "preset" / "tiny_seq2seq-aclsum-1.6gib.yaml"
+    preset = swept / "presets" / "preset" / "tiny_seq2seq-aclsum-1.7gib.yaml"
     assert preset.read_text().startswith(
         "# @package _global_"
     )  # resuming: see test_faults_in_trials_and_a_killed_sweeper_lose_nothing
@@ -259,7 +271,7 @@ def test_the_readme_budget_sweep_finds_and_exports_a_preset(readme_budget_sweep,
     assert run.info.status == "FINISHED"
     assert run.data.params["trainer.batch_size"] == str(exported.trainer.batch_size)
     assert run.data.params["memory.max_label_length"] == str(exported.memory.max_label_length)
-    assert run.data.params["budget.gib"] == "1.6"
+    assert run.data.params["budget.gib"] == "1.7"
     assert exported.memory.max_source_length == 256 and exported.memory.precision == "fp32"  # fixed settings too
     assert "trainer.max_steps" not in run.data.params or exported.trainer.get("max_steps") is None
 
@@ -281,7 +293,7 @@ def test_optuna_dashboard_shows_the_readme_sweeps_trials_with_constraints_and_re
     command[1] = f"sqlite:///{swept}/optuna.db"
     with serving(command, port, cwd=swept, health="/api/studies") as url:
         studies = _get_json(f"{url}/api/studies")["study_summaries"]
-        (study,) = [s for s in studies if s["study_name"] == "memfit-tiny_seq2seq-aclsum-1.6GiB"]
+        (study,) = [s for s in studies if s["study_name"] == "memfit-tiny_seq2seq-aclsum-1.7GiB"]
         trials = _get_json(f"{url}/api/studies/{study['study_id']}?after=0")["trials"]
     stored = optuna.load_study(study_name=study["study_name"], storage=f"sqlite:///{swept}/optuna.db").trials
     assert len(trials) == len(stored)

@@ -21,6 +21,9 @@ class MemfitSweeperConf:
     coverage_floor: float = 0.0  # a trial keeping less than this share of label tokens is infeasible
     # tell without running a configuration the memory model predicts over budget × (1 + margin); null: never
     predict_margin: float | None = 0.1
+    # throughput objectives: once the memory model can predict every configuration whose outcome is unknown, the next
+    # `fill_budget` trials of a study are those predicted to fill the most of the budget while fitting; 0: none
+    fill_budget: int = 2
     effective_batch: int | None = None  # hold batch × accumulation: accumulation = ceil(effective_batch / batch)
     # process: a fresh python process per trial | launcher: Hydra's configured launcher (the basic one runs trials in
     # the sweeper's process; hydra/launcher=submitit_slurm submits them to Slurm); none: the same as launcher

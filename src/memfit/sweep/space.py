@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -94,3 +95,21 @@ def held_accumulation(params: dict[str, Any], effective_batch: int | None, batch
     if not effective_batch or not batch or "trainer.gradient_accumulation_steps" in params:
         return None
     return math.ceil(effective_batch / int(batch))
+
+
+def configurations(space: dict[str, Any], limit: int = 20_000) -> list[dict[str, Any]] | None:
+    """Every configuration of a space of choices and integer ranges; None where a parameter is continuous or the
+    space holds more than `limit` configurations (too many to predict one by one)."""
+    from optuna.distributions import CategoricalDistribution, IntDistribution
+
+    values = []
+    for distribution in space.values():
+        if isinstance(distribution, CategoricalDistribution):
+            values.append(list(distribution.choices))
+        elif isinstance(distribution, IntDistribution):  # a log scale changes how it is sampled, not its values
+            values.append(list(range(distribution.low, distribution.high + 1, distribution.step)))
+        else:
+            return None
+    if math.prod(len(v) for v in values) > limit:
+        return None
+    return [dict(zip(space, combination, strict=True)) for combination in itertools.product(*values)]

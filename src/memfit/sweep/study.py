@@ -33,7 +33,14 @@ from memfit.sweep.outcome import (
 )
 from memfit.sweep.results import ladder_table, log_pareto_plot, summarise
 from memfit.sweep.screen import LABEL, coverage_screen, data_lengths
-from memfit.sweep.space import SweepConfigError, dominated_by, held_accumulation, parse_search, repeat_of
+from memfit.sweep.space import (
+    SweepConfigError,
+    configurations,
+    dominated_by,
+    held_accumulation,
+    parse_search,
+    repeat_of,
+)
 from memfit.sweep.trials import InProcessTrials, ProcessTrials, app_argv, core_sets, standby_hint, trial_env
 
 log = logging.getLogger("memfit.sweep")
@@ -44,6 +51,12 @@ log = logging.getLogger("memfit.sweep")
 # one trial run, with feasible configurations never tried (benchmarks/README.md).
 EXPLORE_AFTER = 3
 EXPLORE_DRAWS = 200  # random draws looking for a configuration whose outcome is not known yet
+
+# Objectives for which a configuration that fills the budget is worth trying early (fill_budget): tokens/s grows with
+# the work a step does, and that work is what fills memory. In the H200 tables of benchmarks/README.md (pegasus_large
+# and qwen2.5-1.5B at 16, 24 and 40 GiB) the fitting configuration with the largest worst case was the fastest, or
+# within 0.5% of it, in all six.
+FILLING_OBJECTIVES = ("throughput", "epoch_throughput")
 
 
 def make_sampler(name: str, seed: int | None, n_trials: int = 16, n_jobs: int = 1) -> Any:
@@ -276,6 +289,8 @@ class BudgetSweep:
         tags = {"mlflow.parentRunId": parent.run_id, "memfit.trial": str(trial.number)}
         if trial.user_attrs.get("explored"):  # queued by the sweeper, not proposed by the sampler (_queue_unexplored)
             tags["memfit.explored"] = "true"
+        if trial.user_attrs.get("fills_budget"):  # queued as the fullest predicted fit (_queue_fullest_fit)
+            tags["memfit.fills_budget"] = "true"
         child = open_run(self.config, f"trial-{trial.number}", tags)
         child.log_params({f"trial.{k}": v for k, v in trial.params.items()})
         trial.set_user_attr("run_id", child.run_id)
@@ -437,7 +452,7 @@ class BudgetSweep:
                 reason = f"{reason}; {source.user_attrs['reason']}"
             attrs = {**source.user_attrs, "repeat_of": source.number, "reason": reason}
             # the repeat has no MLflow run of its own, held no device, and the sampler (not the sweeper) proposed it
-            for measured_only in ("run_id", "device", "explored"):
+            for measured_only in ("run_id", "device", "explored", "fills_budget"):
                 attrs.pop(measured_only, None)
             return attrs, source.values, constraint_dict(source)
         if (blocker := dominated_by(params, finished)) is not None:
@@ -620,7 +635,8 @@ class BudgetSweep:
             free = max(n_trials - done - running, retries)
             count = 1 if device is not None else min(self.settings.n_jobs, free)
             # queued right before the ask that takes it, so that no exit from this loop leaves it WAITING
-            if told_in_a_row >= EXPLORE_AFTER and not self._queue_unexplored(study, space):
+            filling = self._queue_fullest_fit(study, space)
+            if not filling and told_in_a_row >= EXPLORE_AFTER and not self._queue_unexplored(study, space):
                 log.info("stopping after %d trials run: every configuration left to try is measured or known", done)
                 break
             trials = []
@@ -660,6 +676,53 @@ class BudgetSweep:
             log.info("the sampler keeps proposing configurations whose outcome is known: trying %s next", params)
             study.enqueue_trial(params, user_attrs={"explored": True})
             return True
+        return False
+
+    def _queue_fullest_fit(self, study: Any, space: dict[str, Any]) -> bool:
+        """For a throughput objective, once the memory model can predict every configuration whose outcome is not
+        known yet: queue the one whose worst batch is predicted to fill the most of the budget's limit without
+        passing it, for the next ask; up to `fill_budget` such trials per study (a preflight that finds the prediction
+        too low makes the next one the next fullest). The sampler learns from them as from its own."""
+        s = self.settings
+        if not s.fill_budget or self.predictor is None or not self.budget_gib:
+            return False
+        if len(self.objectives) != 1 or self.objectives[0] not in FILLING_OBJECTIVES:
+            return False
+        import optuna
+
+        with self.lock:  # device threads of one sweeper queue one each at most, never the same one twice
+            every = study.get_trials(deepcopy=False)
+            # a smaller budget's fill trial, carried over by the ladder, does not count against this study's
+            queued = [t for t in every if t.user_attrs.get("fills_budget") and "reused_from" not in t.user_attrs]
+            if len(queued) >= s.fill_budget:
+                return False
+            waiting = (optuna.trial.TrialState.WAITING, optuna.trial.TrialState.RUNNING)
+            pending = [t.params or t.system_attrs.get("fixed_params", {}) for t in every if t.state in waiting]
+            limit, ranked, unpredicted = self._limit_gib(), [], []
+            for params in configurations(space) or []:
+                if params in pending:
+                    continue
+                predicted = self.predictor.predicted_gib(params)
+                if predicted is None:
+                    unpredicted.append(params)
+                elif predicted[0] <= limit:
+                    ranked.append((predicted[0], params))
+            # a part of the space no calibration predicts yet (another policy, or a step without accumulation) may
+            # hold a fuller fit: the sampler proposes until a trial there has calibrated it too
+            if any(self._known_outcome(study, params) is None for params in unpredicted):
+                return False
+            ranked.sort(key=lambda row: row[0], reverse=True)
+            for gib, params in ranked:
+                if self._known_outcome(study, params) is not None:
+                    continue
+                log.info(
+                    "memory model: trying %s next, the fullest predicted fit (%.2f of the %.2f GiB limit)",
+                    params,
+                    gib,
+                    limit,
+                )
+                study.enqueue_trial(params, user_attrs={"fills_budget": True})
+                return True
         return False
 
     def _wait_for_a_trial(self, seen: int) -> None:
