@@ -348,7 +348,9 @@ def test_once_calibrated_the_fullest_predicted_fit_is_tried_next_for_a_throughpu
     sweep.objectives = ["loss"]
     assert not sweep._queue_fullest_fit(study, space)
     sweep.objectives = ["throughput"]
-    assert sweep._queue_fullest_fit(study, space) and study.ask(space).params["trainer.batch_size"] == 8
+    assert sweep._queue_fullest_fit(study, space)
+    # the fullest of those not tried yet (on CPU the smallest batches can predict the same: the process dominates)
+    assert gib[study.ask(space).params["trainer.batch_size"]] == max(gib[b] for b in (2, 8))
 
 
 def test_a_frozen_encoder_leaves_t5_under_checkpointing_uncalibrated(compose_cfg, tmp_path, caplog):

@@ -657,6 +657,14 @@ class BudgetSweep:
                 self._launch_and_tell(study, trials, fixed, parent, runner, device)
         show(completed=self._new_trials_done(study), note=_best_text(study, self.objectives))
 
+    @staticmethod
+    def _pending(study: Any) -> list[dict[str, Any]]:
+        """Configurations queued (WAITING: their params are still the fixed ones) or running now."""
+        import optuna
+
+        waiting = (optuna.trial.TrialState.WAITING, optuna.trial.TrialState.RUNNING)
+        return [t.params or t.system_attrs.get("fixed_params", {}) for t in study.get_trials(False, states=waiting)]
+
     def _queue_unexplored(self, study: Any, space: dict[str, Any]) -> bool:
         """Queue a configuration drawn at random from the space whose outcome is not known yet (not measured, not
         dominated, not below the coverage floor, not predicted over budget, not queued or running): the next ask
@@ -666,9 +674,7 @@ class BudgetSweep:
 
         seed = None if self.settings.seed is None else self.settings.seed + len(study.trials)
         draw = optuna.samplers.RandomSampler(seed=seed).sample_independent
-        waiting = (optuna.trial.TrialState.WAITING, optuna.trial.TrialState.RUNNING)
-        queued = study.get_trials(deepcopy=False, states=waiting)
-        pending = [t.params or t.system_attrs.get("fixed_params", {}) for t in queued]
+        pending = self._pending(study)
         for _ in range(EXPLORE_DRAWS):
             params = {name: draw(study, None, name, distribution) for name, distribution in space.items()}
             if params in pending or self._known_outcome(study, params) is not None:
@@ -688,16 +694,12 @@ class BudgetSweep:
             return False
         if len(self.objectives) != 1 or self.objectives[0] not in FILLING_OBJECTIVES:
             return False
-        import optuna
-
         with self.lock:  # device threads of one sweeper queue one each at most, never the same one twice
-            every = study.get_trials(deepcopy=False)
             # a smaller budget's fill trial, carried over by the ladder, does not count against this study's
-            queued = [t for t in every if t.user_attrs.get("fills_budget") and "reused_from" not in t.user_attrs]
-            if len(queued) >= s.fill_budget:
+            fills = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("fills_budget")]
+            if len([t for t in fills if "reused_from" not in t.user_attrs]) >= s.fill_budget:
                 return False
-            waiting = (optuna.trial.TrialState.WAITING, optuna.trial.TrialState.RUNNING)
-            pending = [t.params or t.system_attrs.get("fixed_params", {}) for t in every if t.state in waiting]
+            pending = self._pending(study)
             limit, ranked, unpredicted = self._limit_gib(), [], []
             for params in configurations(space) or []:
                 if params in pending:
