@@ -39,6 +39,30 @@ def test_every_configuration_of_a_finite_space_and_none_of_a_continuous_or_huge_
     assert configurations(continuous) is None
 
 
+def test_a_best_trial_at_the_edge_of_its_limit_is_warned_about_with_a_safer_one_named():
+    """A later run measures the worst case again in another process: at the limit's edge its preflight may refuse
+    the preset. (The README's CPU sweep once exported a winner 0.0003 GiB under its limit, refused on reuse.)"""
+    from memfit.sweep.results import near_limit_warning
+
+    def trial(number: int, batch: int, peak: float, tokens_per_s: float):
+        made = optuna.trial.create_trial(
+            params={"trainer.batch_size": batch},
+            distributions={"trainer.batch_size": optuna.distributions.CategoricalDistribution([2, 8, 32])},
+            values=[tokens_per_s],
+            user_attrs={"worst_case_peak_gib": peak},
+            constraints={"memory_gib": peak - 1.1},  # limit 1.1 GiB
+        )
+        made.number = number
+        return made
+
+    edge, safe, slow = trial(1, 32, 1.0997, 900.0), trial(0, 8, 0.89, 700.0), trial(2, 2, 0.74, 300.0)
+    text = near_limit_warning(edge, [safe, edge, slow], ["maximize"])
+    assert "trial 1's worst case (1.100 GiB) is 0.000 GiB under its 1.10 GiB limit" in text
+    assert "the best with more headroom is trial 0 ({'trainer.batch_size': 8}" in text
+    assert near_limit_warning(safe, [safe, slow], ["maximize"]) is None  # 0.21 GiB under: no warning
+    assert "more headroom" not in near_limit_warning(edge, [edge], ["maximize"])  # no safer trial to name
+
+
 def test_a_run_that_does_not_fit_is_an_infeasible_complete_trial():
     report = {"status": "preflight_failed", "worst_case_peak_gib": 30.0, "label_coverage": 1.0}
     outcome = outcome_of(report, None, 23.5, ["throughput"], 0.99)

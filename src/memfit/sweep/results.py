@@ -14,6 +14,11 @@ from memfit.sweep.space import held_accumulation
 
 log = logging.getLogger("memfit.sweep")
 
+# Near the limit, the worst case measured in separate processes varies: by up to ±0.2 GiB of a 23.5 GiB limit on an
+# H200 (benchmarks/README.md, qwen2.5-1.5B), by a few MB of host RSS on CPU. A best trial closer to its limit than this
+# share of it may be refused by the preflight of a later run from its preset.
+NEAR_LIMIT_SHARE = 0.01
+
 
 def _dominates(a: list[float], b: list[float], dirs: list[str]) -> bool:
     better = [(x >= y) if d == "maximize" else (x <= y) for x, y, d in zip(a, b, dirs, strict=True)]
@@ -49,6 +54,38 @@ def _describe(trial: Any, names: list[str]) -> dict[str, Any]:
     }
 
 
+def _headroom_gib(trial: Any) -> float | None:
+    """How far under the limit it was judged by a trial's measured worst case lies (GiB); None where not measured."""
+    if trial.user_attrs.get("worst_case_peak_gib") is None or "memory_gib" not in trial.constraints:
+        return None
+    return -trial.constraints["memory_gib"]
+
+
+def near_limit_warning(best: Any, feasible: list[Any], dirs: list[str]) -> str | None:
+    """A warning where the best trial's worst case lies within NEAR_LIMIT_SHARE of its limit, naming the best trial
+    with more headroom; None otherwise."""
+    headroom = _headroom_gib(best)
+    if headroom is None:
+        return None
+    peak = best.user_attrs["worst_case_peak_gib"]
+    enough = NEAR_LIMIT_SHARE * (peak + headroom)  # of the limit
+    if headroom >= enough:
+        return None
+    text = (
+        f"trial {best.number}'s worst case ({peak:.3f} GiB) is {headroom:.3f} GiB under its {peak + headroom:.2f} GiB "
+        f"limit, within {NEAR_LIMIT_SHARE:.0%} of it: measured again in another process it can come out over, and a "
+        "run from this preset then stops at its preflight"
+    )
+    safer = [t for t in feasible if (h := _headroom_gib(t)) is not None and h >= enough]
+    if safer:
+        alternative = (max if dirs[0] == "maximize" else min)(safer, key=lambda t: t.values[0])
+        text += (
+            f"; the best with more headroom is trial {alternative.number} ({alternative.params}, worst case "
+            f"{alternative.user_attrs['worst_case_peak_gib']:.3f} GiB, objective {alternative.values[0]:.4g})"
+        )
+    return text
+
+
 def summarise(study: Any, sweep: Any, parent: Any) -> dict[str, Any] | None:
     """optimization_results.yaml, the preset of the best feasible trial, the log line a user reads at the end."""
     names = sweep.objectives
@@ -82,6 +119,7 @@ def summarise(study: Any, sweep: Any, parent: Any) -> dict[str, Any] | None:
         "best_value": best.values[0],
         "best_params": best.params,
         "worst_case_peak_gib": best.user_attrs.get("worst_case_peak_gib"),
+        "headroom_gib": _headroom_gib(best),
         "tokens_per_s": best.user_attrs.get("tokens_per_s"),
         "epoch_tokens_per_s": best.user_attrs.get("epoch_tokens_per_s"),
         "label_coverage": best.user_attrs.get("label_coverage"),
@@ -115,6 +153,8 @@ def summarise(study: Any, sweep: Any, parent: Any) -> dict[str, Any] | None:
         preset.stem,
         f"; Pareto front of {len(front)} trials in {results_path}" if len(names) > 1 else "",
     )
+    if warning := near_limit_warning(best, feasible, dirs):
+        log.warning(warning)
     return summary
 
 
