@@ -56,9 +56,10 @@ def _describe(trial: Any, names: list[str]) -> dict[str, Any]:
 
 def _headroom_gib(trial: Any) -> float | None:
     """How far under the limit it was judged by a trial's measured worst case lies (GiB); None where not measured."""
-    if trial.user_attrs.get("worst_case_peak_gib") is None or "memory_gib" not in trial.constraints:
+    gap = constraint_dict(trial).get("memory_gib")
+    if trial.user_attrs.get("worst_case_peak_gib") is None or gap is None:
         return None
-    return -trial.constraints["memory_gib"]
+    return -gap
 
 
 def near_limit_warning(best: Any, feasible: list[Any], dirs: list[str]) -> str | None:
