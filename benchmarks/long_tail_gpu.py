@@ -76,8 +76,8 @@ def auto_find_batch_size(common: list[str], start_batch: int, max_seconds: float
 
     from memfit.config import register_configs
     from memfit.data import CountingCollator, load_and_tokenize, model_columns
+    from memfit.memory.policy import apply_allocator_env, apply_budget, training_arguments
     from memfit.models import build_model, build_tokenizer
-    from memfit.policy import apply_allocator_env, apply_budget, training_arguments
 
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):

@@ -4,7 +4,7 @@ configurations, beside the Korthikanti et al. (2022) activation formula and acce
     python benchmarks/memory_model_gpu.py --tokenizer .gpu/tok --out $OUT/memory_model.json
 
 For each model (memory=balanced: bf16 autocast, fp32 weights, AdamW; the Qwen models with LoRA) with and without
-gradient checkpointing: build the model as a run does, calibrate (`memfit.calibration.calibrate`: four probes at
+gradient checkpointing: build the model as a run does, calibrate (`memfit.memory.calibration.calibrate`: four probes at
 small shapes, least squares), then for each held-apart shape predict peak allocated and reserved and measure them
 with the preflight's own probe (two optimizer steps of forward and backward on a batch of exactly that shape).
 Every number goes to --out as it is measured. `--models` and `--shapes-scale` make a quick CPU smoke run possible.
@@ -141,18 +141,22 @@ def compose(overrides: list[str]):
         return hydra_compose("train", overrides=overrides)
 
 
-def probe_context(cfg, device: str) -> tuple[dict, object]:
-    """What memfit.run.run builds before its preflight: data, meter, model, Trainer; and the preflight's ProbeSetup."""
-    import memfit.run as run
+def probe_context(cfg, device: str) -> tuple[object, object]:
+    """What memfit.run.run builds before its preflight: the built model (data, meter, model, Trainer behind it) and
+    the preflight's ProbeSetup."""
     from memfit.data import load_and_tokenize
-    from memfit.meter import make_meter
+    from memfit.memory.meter import make_meter
+    from memfit.memory.policy import apply_budget
     from memfit.models import build_tokenizer
-    from memfit.policy import apply_budget
+    from memfit.run.context import RunContext
+    from memfit.run.identity import ResumePoint
+    from memfit.run.train_phase import prepare_training
+    from memfit.run.worst_case import probe_setup
     from memfit.tracking import start_tracking
 
     tokenizer = build_tokenizer(cfg.model)
     meter = make_meter(device)
-    ctx = dict(
+    ctx = RunContext(
         cfg=cfg,
         device=device,
         tokenizer=tokenizer,
@@ -160,11 +164,10 @@ def probe_context(cfg, device: str) -> tuple[dict, object]:
         meter=meter,
         cap=apply_budget(cfg, device, meter.total_bytes()),
         tracker=start_tracking(cfg, "memory-model-benchmark", {}),
-        resume=run.ResumePoint(),
-        clock=run.StartupClock(),
+        resume=ResumePoint(),
     )
-    run._prepare_training(cfg, ctx)
-    return ctx, run._probe_setup(cfg, ctx)
+    setup = prepare_training(ctx)
+    return setup.built, probe_setup(ctx, setup)
 
 
 def korthikanti_bytes(shape, arch, hidden: int, checkpointing: bool) -> float:
@@ -199,10 +202,10 @@ def hidden_size(model) -> int:
 def measure_model(name: str, checkpointing: bool, args, out: dict, save) -> None:
     import torch
 
-    from memfit.audit import BatchShape
-    from memfit.calibration import calibrate
-    from memfit.memory_model import describe_architecture, model_state_bytes, splits_branches
-    from memfit.preflight import probe
+    from memfit.data.audit import BatchShape
+    from memfit.memory.calibration import calibrate
+    from memfit.memory.model import describe_architecture, model_state_bytes, splits_branches
+    from memfit.memory.probe import probe
 
     overrides = [
         f"model={name}",
@@ -219,9 +222,9 @@ def measure_model(name: str, checkpointing: bool, args, out: dict, save) -> None
     ]
     cfg = compose(overrides)
     started = time.perf_counter()
-    ctx, setup = probe_context(cfg, args.device)
+    built, setup = probe_context(cfg, args.device)
     build_s = time.perf_counter() - started
-    model = ctx["built"].model
+    model = built.model
     arch = describe_architecture(model, cfg.model.task)
     state = model_state_bytes(model, cfg.memory.optimizer)
     calibration = calibrate(cfg, setup, arch, state)
@@ -278,7 +281,7 @@ def measure_model(name: str, checkpointing: bool, args, out: dict, save) -> None
         print(
             name, checkpointing, row["shape"], {k: row.get(k) for k in ("allocated", "predicted_allocated")}, flush=True
         )
-    del ctx, setup, model
+    del built, setup, model
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -286,9 +289,9 @@ def measure_model(name: str, checkpointing: bool, args, out: dict, save) -> None
 
 def check_8bit_state(args, out: dict, save) -> None:
     """bitsandbytes' 8-bit AdamW state after a real step, against the analytic count."""
-    from memfit.audit import BatchShape
-    from memfit.memory_model import optimizer_state_bytes
-    from memfit.preflight import make_batch
+    from memfit.data.audit import BatchShape
+    from memfit.memory.model import optimizer_state_bytes
+    from memfit.memory.probe import make_batch
 
     for name in args.eight_bit:
         cfg = compose(
@@ -302,7 +305,7 @@ def check_8bit_state(args, out: dict, save) -> None:
                 *([f"model.tokenizer={args.tokenizer}"] if args.tokenizer else []),
             ]
         )
-        ctx, setup = probe_context(cfg, args.device)
+        _, setup = probe_context(cfg, args.device)
         optimizer = setup.make_optimizer()
         batch = make_batch(BatchShape(2, 64, 32), setup.collator, setup.task, setup.vocab_size, setup.device)
         setup.model(**batch).loss.backward()
@@ -323,7 +326,7 @@ def check_8bit_state(args, out: dict, save) -> None:
         )
         save()
         print("adamw_8bit", out["adamw_8bit"][-1], flush=True)
-        del ctx, setup, optimizer
+        del setup, optimizer
 
 
 def errors(out: dict) -> dict:
@@ -376,7 +379,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "src"))
     import torch
 
-    from memfit.calibration import library_versions  # noqa: F401 - fails early where memfit is not importable
+    from memfit.memory.calibration import library_versions  # noqa: F401 - fails early where memfit is not importable
 
     out = {
         "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
@@ -386,7 +389,7 @@ def main() -> None:
         "adamw_8bit": [],
     }
     path = Path(args.out)
-    from memfit.policy import apply_allocator_env
+    from memfit.memory.policy import apply_allocator_env
 
     apply_allocator_env(compose(["memory=balanced"]).memory)  # expandable segments, before CUDA starts
 

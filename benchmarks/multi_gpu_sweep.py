@@ -292,7 +292,7 @@ STARTUP = [f"startup_{n}" for n in ("checks", "tokenizer", "data", "device", "tr
 
 
 def startup_phases(lines: list[str]) -> dict[str, float]:
-    """The run's own `start-up:` line (memfit.run.StartupClock), where the trial logged one."""
+    """The run's own `start-up:` line (memfit.run.context.StartupClock), where the trial logged one."""
     for line in lines:
         if "] - start-up: " in line:
             found = re.findall(r"(\w+) ([\d.]+) s", line.split("] - start-up: ", 1)[1])

@@ -81,11 +81,11 @@ def instrumentation_overhead(overrides: list[str], steps: int, repeats: int, sto
     from transformers import TrainerCallback
 
     from memfit.data import CountingCollator, load_and_tokenize, model_columns
-    from memfit.meter import make_meter
+    from memfit.memory.meter import make_meter
+    from memfit.memory.policy import apply_allocator_env, training_arguments
     from memfit.models import build_model, build_tokenizer
-    from memfit.policy import apply_allocator_env, training_arguments
     from memfit.tracking import MlflowTracker, NullTracker
-    from memfit.training import build_trainer, make_callback
+    from memfit.training.trainer import build_trainer, make_callback
 
     cfg = compose([*overrides, f"trainer.max_steps={steps}", "memory.eval_enabled=false"])
     apply_allocator_env(cfg.memory)

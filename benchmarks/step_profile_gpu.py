@@ -158,7 +158,7 @@ def profile_summary(profiler) -> dict:
 def one(args: argparse.Namespace) -> None:
     """One configuration, one variant, in this process (a fresh one per run, as a trial is)."""
     import memfit.run as run
-    import memfit.training as training
+    import memfit.training.trainer as training
 
     batch, source, label = args.config
     data, _ = make_data(Path(args.work))
@@ -176,9 +176,9 @@ def one(args: argparse.Namespace) -> None:
         ]
     )
     if args.variant == "keep_cache":  # training starts with the worst case's memory still reserved
-        import memfit.preflight as preflight
+        import memfit.memory.probe as probe
 
-        preflight._free = lambda device: gc.collect()
+        probe._free = lambda device: gc.collect()
     clocks: list[StepClock] = []
     build = training.build_trainer
 
@@ -191,7 +191,7 @@ def one(args: argparse.Namespace) -> None:
         clocks.append(clock)
         return trainer
 
-    training.build_trainer = build_clocked  # run imports it from memfit.training when it trains
+    training.build_trainer = build_clocked  # prepare_training imports it from memfit.training.trainer when it runs
     started = time.perf_counter()
     report = run.run(cfg).to_dict()
     keep = ("status", "reason", "tokens_per_s", "epoch_tokens_per_s", "worst_case_peak_gib")

@@ -103,15 +103,15 @@ class Instrumented:
     """memfit's run, with the model built once, tokenization cached, and each phase timed."""
 
     def __init__(self) -> None:
-        import memfit.data as data
+        import memfit.data.tokenize as data
         import memfit.models as models
-        import memfit.run as run
+        import memfit.run.flow as run
 
         self.built = None
         self.build_s = 0.0
         self.tokenize_s: dict[str, float] = {}
         self.phase_s: dict[str, float] = {}
-        build, tokenize, preflight, train = models.build_model, data.tokenize_split, run._run_preflight, run._train
+        build, tokenize, preflight, train = models.build_model, data.tokenize_split, run.run_preflight, run.train
         cache: dict[tuple, object] = {}
 
         def built_once(cfg, tokenizer, device):
@@ -129,25 +129,25 @@ class Instrumented:
                 self.tokenize_s[f"{spec.max_source_length}/{spec.max_label_length}"] = time.perf_counter() - started
             return cache[key]
 
-        def timed_preflight(cfg, ctx):
+        def timed_preflight(ctx, setup):
             started = time.perf_counter()
             try:
-                return preflight(cfg, ctx)
+                return preflight(ctx, setup)
             finally:
                 self.phase_s["preflight_s"] = time.perf_counter() - started
 
-        def timed_train(cfg, ctx):
-            from memfit.meter import MemoryPeak
+        def timed_train(ctx, setup):
+            from memfit.memory.meter import MemoryPeak
 
-            ctx["meter"].overall = MemoryPeak(0, 0)  # the segment's own peak, as a sweeper without preflight sees it
+            ctx.meter.overall = MemoryPeak(0, 0)  # the segment's own peak, as a sweeper without preflight sees it
             started = time.perf_counter()
             try:
-                return train(cfg, ctx)
+                return train(ctx, setup)
             finally:
                 self.phase_s["segment_s"] = time.perf_counter() - started
 
         models.build_model, data.tokenize_split = built_once, tokenize_cached
-        run._run_preflight, run._train = timed_preflight, timed_train
+        run.run_preflight, run.train = timed_preflight, timed_train
 
     def run(self, cfg) -> dict:
         import gc

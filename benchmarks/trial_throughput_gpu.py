@@ -12,7 +12,7 @@ cumulative `num_alloc_retries` (each retry frees the cache and synchronises the 
 Warm-up shows as slow first steps in both arms; cap pressure as retries and slow steps in the capped arm only.
 
 segment: four configurations trained 80 steps each under the cap; for 5- and 10-step segments of each run, what a
-trial would report under each rule, and memfit's epoch estimate (memfit.throughput: the segment's step times
+trial would report under each rule, and memfit's epoch estimate (memfit.training.throughput: the segment's step times
 applied to the epoch's batch plan, `epoch_plan`) against the same run's first-epoch rate (`epoch_reference`).
 """
 
@@ -105,14 +105,14 @@ def read_arm(name: str, args: argparse.Namespace, configs: list) -> list[dict]:
 
 
 def epoch_plan_for(args: argparse.Namespace, data: Path, config: list[int]) -> object:
-    """The epoch's batch plan of one configuration over this benchmark's data (memfit.throughput)."""
+    """The epoch's batch plan of one configuration over this benchmark's data (memfit.training.throughput)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     from memfit.config import register_configs
     from memfit.data import load_and_tokenize, model_columns
     from memfit.models import build_tokenizer
-    from memfit.throughput import run_epoch_plan
+    from memfit.training.throughput import run_epoch_plan
 
     register_configs()
     GlobalHydra.instance().clear()
@@ -123,8 +123,8 @@ def epoch_plan_for(args: argparse.Namespace, data: Path, config: list[int]) -> o
 
 
 def plan_estimate(row: dict, segment: int, plan: object) -> float | None:
-    """What memfit's epoch estimate (memfit.throughput) makes of the first `segment` steps of this run."""
-    from memfit.throughput import StepTimeModel, Window, epoch_tokens_per_s
+    """What memfit's epoch estimate (memfit.training.throughput) makes of the first `segment` steps of this run."""
+    from memfit.training.throughput import StepTimeModel, Window, epoch_tokens_per_s
 
     accumulation = -(-EFFECTIVE_BATCH // row["config"][0])
     windows = []

@@ -118,7 +118,7 @@ def test_the_readme_estimate_on_the_gpu_and_the_preflight_agree(tmp_path):
     import json
     import re
 
-    from .conftest import readme_command, run_train_py
+    from tests.conftest import readme_command, run_train_py
 
     extra = [f"model.tokenizer={os.environ['MEMFIT_TOKENIZER']}"] if os.environ.get("MEMFIT_TOKENIZER") else []
     command = readme_command("python train.py model=pegasus_large budget.gib=24 estimate_only=true")

@@ -11,8 +11,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from memfit.tracking import default_tracking_uri
-
-from .conftest import ROOT, free_port, readme_command, run_train_py, serving
+from tests.conftest import ROOT, free_port, readme_command, run_train_py, serving
 
 pytestmark = pytest.mark.slow
 

@@ -15,9 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from memfit.config import ConfigError
-
-GIB = 1024**3
+from memfit.config import GIB, ConfigError
 
 
 def check_output_dir(output_dir: str, min_free_gib: float) -> list[str]:

@@ -18,7 +18,7 @@ FEASIBLE_STATUSES = ("ok",)
 # objective name → (report field, direction)
 OBJECTIVES = {
     "throughput": ("tokens_per_s", "maximize"),  # tokens/s of the timed training segment
-    # a whole epoch's tokens/s: the segment's step times applied to the epoch's batch plan (memfit.throughput)
+    # a whole epoch's tokens/s: the segment's step times applied to the epoch's batch plan (memfit.training.throughput)
     "epoch_throughput": ("epoch_tokens_per_s", "maximize"),
     "loss": ("eval_loss", "minimize"),  # eval loss after the run's fixed token budget (train loss without eval data)
     "coverage": ("label_coverage", "maximize"),  # share of label tokens kept by truncation

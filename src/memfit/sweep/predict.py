@@ -1,6 +1,6 @@
 """Trials the memory model predicts far over the budget are told without running: predicted, never measured.
 
-The first trial of a sweep calibrates the memory model on the device (memfit.calibration; cached, so later trials
+The first trial of a sweep calibrates the memory model on the device (memfit.memory.calibration; cached, so later trials
 reuse it) and reports where the calibration lies. From then on the sweeper predicts each proposed configuration's
 worst batch (the data's lengths, cut as the trial would cut them) and tells those whose predicted peak is over the
 budget by more than a safety margin, marking them `predicted`. A calibration holds for one memory policy: where the
@@ -15,6 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from memfit.config import GIB, limit_gib, resolve_lengths
 from memfit.sweep.screen import DataLengths
 from memfit.sweep.space import held_accumulation
 
@@ -48,7 +49,7 @@ class MemoryPredictor:
 
     def learn(self, params: dict[str, Any], path: str | None, trial_number: int) -> None:
         """Take the calibration a trial reported (the first one per policy signature)."""
-        from memfit.calibration import Calibration
+        from memfit.memory.calibration import Calibration
 
         key = self.signature(params)
         if not path or key in self.calibrations:
@@ -70,16 +71,18 @@ class MemoryPredictor:
             return None
         calibration, source_trial = found
         memory, model = self.config.memory, self.config.model
-        shapes = self.lengths.worst_batches(
-            int(params.get(BATCH, self.config.trainer.batch_size)),
-            int(params.get(SOURCE, memory.max_source_length) or model.max_positions),
-            int(params.get(LABEL, memory.max_label_length) or model.max_positions),
-            memory.pad_to_multiple_of,
+        source, label = resolve_lengths(
+            params.get(SOURCE, memory.max_source_length),
+            params.get(LABEL, memory.max_label_length),
+            model.task,
+            model.max_positions,
         )
+        batch = int(params.get(BATCH, self.config.trainer.batch_size))
+        shapes = self.lengths.worst_batches(batch, source, label, memory.pad_to_multiple_of)
         if not shapes:
             return None
         peak = max(calibration.estimate(shape).reserved for shape in shapes)
-        return peak / 1024**3, calibration, source_trial
+        return peak / GIB, calibration, source_trial
 
     def over_budget(self, params: dict[str, Any], budget_gib: float | None) -> tuple[dict, dict] | None:
         """(user attrs, constraints) for a configuration predicted over budget × (1 + margin); else None."""
@@ -91,7 +94,7 @@ class MemoryPredictor:
         gib, calibration, source_trial = predicted
         if gib <= budget_gib * (1 + self.margin):
             return None
-        limit = budget_gib - self.config.budget.margin_gib
+        limit = limit_gib(budget_gib, self.config.budget.margin_gib)
         reason = (
             f"not run: predicted {gib:.2f} GiB for the worst batch, over the {budget_gib:g} GiB budget by more than "
             f"the {self.margin:.0%} safety margin (memory model {calibration.key}, calibrated in trial {source_trial})"

@@ -9,6 +9,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from memfit.config import limit_gib
 from memfit.sweep.outcome import constraint_dict, directions, is_feasible
 from memfit.sweep.space import held_accumulation
 
@@ -293,9 +294,9 @@ def log_pareto_plot(study: Any, sweep: Any, parent: Any) -> None:
             [p[0] for p in misses], [0.0] * len(misses), marker="x", color="#c44e52", label="did not fit (no training)"
         )
     if sweep.budget_gib:
-        margin = sweep.config.budget.margin_gib
+        limit = limit_gib(sweep.budget_gib, sweep.config.budget.margin_gib)
         ax.axvline(sweep.budget_gib, color="black", linestyle="--", label=f"budget {sweep.budget_gib:g} GiB")
-        ax.axvline(sweep.budget_gib - margin, color="grey", linestyle=":", label="budget − margin")
+        ax.axvline(limit, color="grey", linestyle=":", label="budget − margin")
     ax.set_xlabel("measured worst-case peak (GiB, reserved)")
     ax.set_ylabel("tokens/s")
     ax.set_title(study.study_name)

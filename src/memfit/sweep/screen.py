@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig
 
-from memfit.audit import BatchShape, label_coverage, worst_batches
+from memfit.data.audit import BatchShape, label_coverage, worst_batches
 
 log = logging.getLogger("memfit.sweep")
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from memfit.lockfile import HOST, pid_alive
+from memfit.config import limit_gib
 from memfit.progress import progress_bar
 from memfit.sweep.outcome import (
     TrialOutcome,
@@ -31,6 +31,7 @@ from memfit.sweep.outcome import (
     objective_names,
     outcome_of,
 )
+from memfit.sweep.owner import HOST, pid_alive
 from memfit.sweep.results import ladder_table, log_pareto_plot, summarise
 from memfit.sweep.screen import LABEL, coverage_screen, data_lengths
 from memfit.sweep.space import (
@@ -334,7 +335,7 @@ class BudgetSweep:
         return overrides
 
     def _limit_gib(self) -> float | None:
-        return self.budget_gib - self.config.budget.margin_gib if self.budget_gib else None
+        return limit_gib(self.budget_gib, self.config.budget.margin_gib) if self.budget_gib else None
 
     def _tell_unless_failed_as_stale(self, study: Any, trial: Any, result: Any, child: Any) -> None:
         """Tell a trial's outcome, unless another worker has already failed it as stale: its heartbeat came late

@@ -1,0 +1,15 @@
+"""Configuration: the schema behind the YAML groups, the facts derived from it, and one-pass validation."""
+
+from memfit.config.schema import GIB, effective_lengths, limit_bytes, limit_gib, register_configs, resolve_lengths
+from memfit.config.validate import ConfigError, validate
+
+__all__ = [
+    "GIB",
+    "ConfigError",
+    "effective_lengths",
+    "limit_bytes",
+    "limit_gib",
+    "register_configs",
+    "resolve_lengths",
+    "validate",
+]

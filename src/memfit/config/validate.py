@@ -1,0 +1,183 @@
+"""One-pass validation of a composed config: every problem collected, each a line naming the field and the fix,
+before anything heavy is imported."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from memfit.config.data_source import check_data_source
+from memfit.config.schema import (
+    CALIBRATION_SETTINGS,
+    DEVICES,
+    MODEL_SOURCES,
+    OPTIMIZERS,
+    OVERLENGTH_POLICIES,
+    PRECISIONS,
+    TASKS,
+    TRACKING_BACKENDS,
+    WEIGHT_DTYPES,
+    effective_lengths,
+)
+
+
+class ConfigError(ValueError):
+    """Every problem found in one pass; each line names a field and the fix."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+def _choice(problems: list[str], field_name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        problems.append(f"{field_name}={value!r} is not one of {', '.join(choices)}: set {field_name}=<one of them>")
+
+
+def _positive(problems: list[str], field_name: str, value: Any, fix: str) -> None:
+    if value is not None and value <= 0:
+        problems.append(f"{field_name}={value:g} must be > 0: {fix}")
+
+
+def _validate_model(cfg: DictConfig, problems: list[str]) -> None:
+    m = cfg.model
+    _choice(problems, "model.task", m.task, TASKS)
+    _choice(problems, "model.source", m.source, MODEL_SOURCES)
+    if m.source == "pretrained" and not m.name_or_path:
+        problems.append("model.name_or_path is empty but model.source=pretrained: give a local checkpoint directory")
+    if m.name_or_path and not Path(m.name_or_path).exists():
+        problems.append(f"model.name_or_path={m.name_or_path} does not exist: give a local checkpoint directory")
+    if m.source == "random" and "model_type" not in m.architecture:
+        problems.append("model.architecture.model_type is missing: random weights need an HF model_type and its config")
+    if m.lora.enabled:
+        _positive(problems, "model.lora.r", m.lora.r, "use a rank such as 8 or 16")
+        if not m.lora.target_modules:
+            problems.append("model.lora.target_modules is empty: name the linear layers to adapt, e.g. [q_proj,v_proj]")
+
+
+def _validate_lengths(cfg: DictConfig, problems: list[str]) -> None:
+    limit = cfg.model.max_positions
+    lengths = dict(zip(("max_source_length", "max_label_length"), effective_lengths(cfg), strict=True))
+    for key, value in lengths.items():
+        _positive(problems, f"memory.{key}", value, f"set memory.{key}=128 or another positive length")
+        if value > limit and cfg.model.task == "seq2seq":
+            problems.append(
+                f"memory.{key}={value} exceeds {cfg.model.name}'s {limit} positions: set memory.{key}<={limit}"
+            )
+    total = sum(lengths.values())
+    if cfg.model.task == "causal" and min(lengths.values()) > 0 and total > limit:
+        problems.append(
+            f"memory.max_source_length+memory.max_label_length={total} exceeds {cfg.model.name}'s {limit} positions:"
+            " shorten one of them"
+        )
+
+
+def _validate_memory(cfg: DictConfig, problems: list[str]) -> None:
+    mem = cfg.memory
+    _choice(problems, "memory.overlength", mem.overlength, OVERLENGTH_POLICIES)
+    _choice(problems, "memory.precision", mem.precision, PRECISIONS)
+    _choice(problems, "memory.weights_dtype", mem.weights_dtype, WEIGHT_DTYPES)
+    _choice(problems, "memory.optimizer", mem.optimizer, OPTIMIZERS)
+    _positive(problems, "memory.pad_to_multiple_of", mem.pad_to_multiple_of, "use 8 (tensor cores) or null")
+    _positive(problems, "memory.eval_batch_size", mem.eval_batch_size, "use a positive batch or null")
+    _positive(problems, "memory.empty_cache_steps", mem.empty_cache_steps, "use a positive step count or null")
+    _positive(problems, "memory.lora_r", mem.lora_r, "use a rank such as 8, or null to keep model.lora.r")
+    if mem.memory_fraction is not None and not 0 < mem.memory_fraction <= 1:
+        problems.append(f"memory.memory_fraction={mem.memory_fraction} must be in (0, 1]: use 0.9 or null")
+    if mem.packing:
+        problems.append(
+            "memory.packing=true is not supported: packing raises activation memory; set memory.packing=false"
+        )
+    if mem.load_in_4bit and not cfg.model.lora.enabled:
+        problems.append(
+            "memory.load_in_4bit=true needs LoRA (4-bit weights cannot be trained): set model.lora.enabled=true"
+        )
+
+
+def _validate_trainer(cfg: DictConfig, problems: list[str]) -> None:
+    t = cfg.trainer
+    _positive(problems, "trainer.batch_size", t.batch_size, "set trainer.batch_size=1 or more")
+    _positive(problems, "trainer.gradient_accumulation_steps", t.gradient_accumulation_steps, "set it to 1 or more")
+    _positive(problems, "trainer.learning_rate", t.learning_rate, "use e.g. 5e-5")
+    _positive(problems, "trainer.logging_steps", t.logging_steps, "use 1 to log every step")
+    _positive(problems, "trainer.eval_steps", t.eval_steps, "use a positive step count or null")
+    _positive(problems, "trainer.save_steps", t.save_steps, "use a positive step count or null")
+    _positive(problems, "trainer.max_train_tokens", t.max_train_tokens, "use a positive token count or null")
+    _choice(problems, "trainer.device", t.device, DEVICES)
+    if t.predict_with_generate and cfg.model.task != "seq2seq":
+        problems.append("trainer.predict_with_generate=true is for seq2seq models: set it to false for a causal LM")
+    if t.max_steps == 0 or (t.max_steps < 0 and t.num_train_epochs <= 0):
+        problems.append("trainer.max_steps/num_train_epochs give no training: set trainer.max_steps>0 or epochs>0")
+
+
+def _validate_budget(cfg: DictConfig, problems: list[str]) -> None:
+    _positive(problems, "budget.gib", cfg.budget.gib, "give the memory budget in GiB, e.g. budget.gib=24, or null")
+    if cfg.budget.margin_gib < 0:
+        problems.append(f"budget.margin_gib={cfg.budget.margin_gib} must be >= 0: use e.g. 0.5")
+
+
+def _validate_preflight(cfg: DictConfig, problems: list[str]) -> None:
+    _positive(problems, "preflight.steps", cfg.preflight.steps, "use 2 (the second step holds optimizer state)")
+    _positive(problems, "preflight.max_batch_limit", cfg.preflight.max_batch_limit, "use e.g. 512")
+    if cfg.preflight_only and not cfg.preflight.enabled:
+        problems.append("preflight_only=true with preflight.enabled=false has nothing to do: enable the preflight")
+    _positive(problems, "forensics.max_entries", cfg.forensics.max_entries, "use e.g. 100000")
+    if str(cfg.calibration.enabled).lower() not in CALIBRATION_SETTINGS:
+        problems.append(
+            f"calibration.enabled={cfg.calibration.enabled} is not one of {', '.join(CALIBRATION_SETTINGS)}: "
+            "use auto (calibrate on CUDA only)"
+        )
+    _positive(problems, "calibration.probe_tokens", cfg.calibration.probe_tokens, "use e.g. 4096")
+    if cfg.estimate_only and cfg.preflight_only:
+        problems.append("estimate_only=true and preflight_only=true: pick one (estimate predicts, preflight measures)")
+
+
+def _validate_tracking(cfg: DictConfig, problems: list[str]) -> None:
+    _choice(problems, "tracking.backend", cfg.tracking.backend, TRACKING_BACKENDS)
+
+
+def _validate_device_needs(cfg: DictConfig, problems: list[str], cuda_available: bool) -> None:
+    """Knobs that only exist on a CUDA device fail here, not after the model is loaded."""
+    on_cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and cuda_available)
+    if cfg.trainer.device == "cuda" and not cuda_available:
+        problems.append("trainer.device=cuda but no CUDA device is visible: use trainer.device=auto or cpu")
+    if on_cuda:
+        return
+    if cfg.memory.load_in_4bit:
+        problems.append("memory.load_in_4bit=true needs a CUDA GPU (bitsandbytes): use memory=tight on CPU")
+    if cfg.memory.optimizer == "adamw_8bit":
+        problems.append("memory.optimizer=adamw_8bit needs a CUDA GPU (bitsandbytes): use adamw or adafactor on CPU")
+    if cfg.memory.precision == "fp16":
+        problems.append("memory.precision=fp16 needs a CUDA GPU: use memory.precision=bf16 or fp32 on CPU")
+
+
+def _cuda_available() -> bool:
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
+        return False
+    import torch  # only when a device-dependent knob needs the answer
+
+    return torch.cuda.is_available()
+
+
+def validate(cfg: DictConfig, cuda_available: bool | None = None) -> None:
+    """Check the composed config in one pass; raise ConfigError listing every problem."""
+    problems: list[str] = []
+    _validate_model(cfg, problems)
+    _validate_lengths(cfg, problems)
+    _validate_memory(cfg, problems)
+    _validate_trainer(cfg, problems)
+    _validate_budget(cfg, problems)
+    _validate_preflight(cfg, problems)
+    _validate_tracking(cfg, problems)
+    problems.extend(check_data_source(cfg.data, cfg.model.task))
+    needs_device_answer = (
+        cfg.memory.load_in_4bit or cfg.memory.optimizer == "adamw_8bit" or cfg.memory.precision == "fp16"
+    )
+    if cuda_available is None:
+        cuda_available = _cuda_available() if (needs_device_answer or cfg.trainer.device == "cuda") else False
+    _validate_device_needs(cfg, problems, cuda_available)
+    if problems:
+        raise ConfigError(problems)

@@ -1,0 +1,78 @@
+"""Collation: pad like DataCollatorForSeq2Seq (labels with -100) and count the real tokens training takes."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+
+LABEL_PAD = -100  # positions the loss ignores
+
+AUDIT_COLUMNS = ("source_len_raw", "label_len_raw")
+
+
+def model_columns(ds: Dataset) -> Dataset:
+    """Only what the model's forward takes (the audit columns are for the length audit alone)."""
+    return ds.remove_columns([c for c in AUDIT_COLUMNS if c in ds.column_names])
+
+
+class CountingCollator:
+    """Pads like DataCollatorForSeq2Seq (labels with -100) and counts the real tokens it hands to training.
+
+    Counting here, on CPU lists before the batch reaches the device, costs no GPU synchronisation.
+    """
+
+    def __init__(self, tokenizer: Any, pad_to_multiple_of: int | None, task: str = "seq2seq"):
+        from transformers import DataCollatorForSeq2Seq
+
+        self.count_labels = task == "seq2seq"  # a causal LM's labels are its own input tokens
+        self.inner = DataCollatorForSeq2Seq(
+            tokenizer, label_pad_token_id=LABEL_PAD, pad_to_multiple_of=pad_to_multiple_of, return_tensors="pt"
+        )
+        self.tokens = 0  # real tokens of the batches training has taken (see consume)
+        self.counting = True  # off while Trainer evaluates: eval batches go through the same collator
+        self.last_shape: dict[str, tuple[int, ...]] = {}  # the batch training took last: what an OOM hit
+        self.seen_shapes: set[tuple] = set()  # padded shapes training has taken: a first sight costs warm-up
+        self.new_shapes = 0  # micro-batches whose padded shape training had not taken before
+        self.padded_tokens = 0  # tokens with padding of the batches training has taken: what the device computed
+        self.micro_batches = 0
+        # Collated but not yet trained on: the dataloader runs one batch ahead of training (accelerate looks ahead
+        # for the end of the data), so counting at collation would count a batch that training never took.
+        self._pending: collections.deque = collections.deque()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Collate without counting (evaluation), so tokens are training tokens only."""
+        self.counting = False
+        try:
+            yield
+        finally:
+            self.counting = True
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = self.inner(features)
+        if self.counting:
+            tokens = sum(len(f["input_ids"]) for f in features)
+            padded_tokens = batch["input_ids"].numel()
+            if self.count_labels:
+                tokens += sum(len(f["labels"]) for f in features)
+                padded_tokens += batch["labels"].numel()
+            shapes = {k: tuple(v.shape) for k, v in batch.items() if hasattr(v, "shape")}
+            self._pending.append((tokens, padded_tokens, shapes))
+        return batch
+
+    def consume(self) -> None:
+        """Training takes the oldest collated batch (batches are trained in the order they were collated)."""
+        if self._pending:
+            tokens, padded_tokens, self.last_shape = self._pending.popleft()
+            self.tokens += tokens
+            self.padded_tokens += padded_tokens
+            self.micro_batches += 1
+            shape = tuple(sorted(self.last_shape.items()))
+            if shape not in self.seen_shapes:
+                self.seen_shapes.add(shape)
+                self.new_shapes += 1

@@ -1,0 +1,176 @@
+"""Tokenization: sources AND labels cut to their max lengths, the over-length policy applied, raw lengths kept for
+the length audit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from omegaconf import DictConfig
+
+from memfit.config import effective_lengths
+from memfit.data.collate import LABEL_PAD
+from memfit.data.sources import DataError, load_pairs
+
+if TYPE_CHECKING:
+    from datasets import Dataset, DatasetDict
+
+    from memfit.data.audit import LengthAudit
+
+
+def _cap(pairs: list[dict[str, str]], limit: int | None) -> list[dict[str, str]]:
+    return pairs if limit is None else pairs[:limit]
+
+
+def _truncate(ids: list[int], max_len: int, keep_last: bool) -> list[int]:
+    """Cut to max_len; keep the closing special token (EOS/SEP) as the tokenizer's own truncation does."""
+    if len(ids) <= max_len:
+        return ids
+    return ids[: max_len - 1] + ids[-1:] if keep_last and max_len > 1 else ids[:max_len]
+
+
+@dataclass(frozen=True)
+class TokenizeSpec:
+    task: str
+    max_source_length: int
+    max_label_length: int
+    overlength: str
+
+
+def _new_encoding() -> dict[str, list]:
+    return {"input_ids": [], "attention_mask": [], "labels": [], "source_len_raw": [], "label_len_raw": []}
+
+
+def _add(out: dict[str, list], input_ids: list[int], labels: list[int], source_raw: int, label_raw: int) -> None:
+    out["input_ids"].append(input_ids)
+    out["attention_mask"].append([1] * len(input_ids))
+    out["labels"].append(labels)
+    out["source_len_raw"].append(source_raw)
+    out["label_len_raw"].append(label_raw)
+
+
+def _encode_seq2seq(batch: dict[str, list[str]], tokenizer: Any, spec: TokenizeSpec) -> dict[str, list]:
+    sources = tokenizer(batch["source"], truncation=False)["input_ids"]
+    labels = tokenizer(text_target=batch["target"], truncation=False)["input_ids"]
+    out = _new_encoding()
+    for src, lab in zip(sources, labels, strict=True):
+        src_cut = _truncate(src, spec.max_source_length, keep_last=True)
+        _add(out, src_cut, _truncate(lab, spec.max_label_length, keep_last=True), len(src), len(lab))
+    return out
+
+
+def _encode_causal(batch: dict[str, list[str]], tokenizer: Any, spec: TokenizeSpec) -> dict[str, list]:
+    """prompt + response + EOS as input; the prompt is masked out of the labels."""
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
+    prompts = tokenizer(batch["source"], add_special_tokens=False)["input_ids"]
+    responses = tokenizer(batch["target"], add_special_tokens=False)["input_ids"]
+    out = _new_encoding()
+    for prompt, response in zip(prompts, responses, strict=True):
+        response = response + [eos]
+        prompt_cut = _truncate(prompt, spec.max_source_length, keep_last=False)
+        response_cut = _truncate(response, spec.max_label_length, keep_last=True)
+        _add(out, prompt_cut + response_cut, [LABEL_PAD] * len(prompt_cut) + response_cut, len(prompt), len(response))
+    return out
+
+
+def _num_proc(rows: int) -> int | None:
+    """Worker processes for tokenization: only worth their start-up on large datasets."""
+    return min(os.cpu_count() or 1, 8) if rows >= 50_000 else None
+
+
+def tokenize_split(pairs: list[dict[str, str]], tokenizer: Any, spec: TokenizeSpec) -> Dataset:
+    """Tokenize in batches, truncating sources and labels; keep the raw lengths for the audit. Nothing dropped."""
+    from datasets import Dataset
+
+    encode = _encode_seq2seq if spec.task == "seq2seq" else _encode_causal
+    ds = Dataset.from_list(pairs)
+    return ds.map(
+        lambda b: encode(b, tokenizer, spec),
+        batched=True,
+        batch_size=1000,
+        remove_columns=["source", "target"],
+        num_proc=_num_proc(len(ds)),
+        new_fingerprint=_fingerprint(len(ds), tokenizer, spec),
+    )
+
+
+def _fingerprint(rows: int, tokenizer: Any, spec: TokenizeSpec) -> str:
+    """A name for the tokenized dataset. `datasets` would otherwise hash the map function, tokenizer and all, by
+    pickling it: ~0.3 s a split, paid by every trial. Nothing is cached under it (the dataset is in memory)."""
+    key = f"{rows}:{getattr(tokenizer, 'name_or_path', '')}:{len(tokenizer)}:{spec}"
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def kept_mask(ds: Dataset, spec: TokenizeSpec) -> np.ndarray:
+    """Which samples the over-length policy keeps (all of them under `truncate`)."""
+    source, label = np.asarray(ds["source_len_raw"]), np.asarray(ds["label_len_raw"])
+    if spec.overlength != "drop":
+        return np.ones(len(source), dtype=bool)
+    return (source <= spec.max_source_length) & (label <= spec.max_label_length)
+
+
+def apply_overlength(ds: Dataset, spec: TokenizeSpec) -> Dataset:
+    mask = kept_mask(ds, spec)
+    return ds if mask.all() else ds.select(np.flatnonzero(mask))
+
+
+@dataclass
+class PreparedData:
+    """Tokenized splits after the over-length policy, and the length audit of the training split."""
+
+    datasets: DatasetDict
+    audit: LengthAudit
+    source_raw: np.ndarray
+    label_raw: np.ndarray
+
+
+def load_and_tokenize(cfg: DictConfig, tokenizer: Any) -> PreparedData:
+    """The run's train/validation datasets, tokenized under the memory policy's lengths, with their audit."""
+    from datasets import DatasetDict
+    from datasets.utils.logging import disable_progress_bar, enable_progress_bar
+
+    from memfit.data.audit import audit_lengths
+    from memfit.progress import quiet
+
+    if quiet():  # datasets' own bars show tokenization, quiet under CI like the rest
+        disable_progress_bar()
+    else:
+        enable_progress_bar()
+    pairs = load_pairs(cfg.data, cfg.model.task)
+    max_source, max_label = effective_lengths(cfg)
+    spec = TokenizeSpec(cfg.model.task, max_source, max_label, cfg.memory.overlength)
+    train = tokenize_split(_cap(pairs["train"], cfg.data.max_train_samples), tokenizer, spec)
+    source_raw, label_raw = np.asarray(train["source_len_raw"]), np.asarray(train["label_len_raw"])
+    splits = {"train": apply_overlength(train, spec)}
+    eval_lengths = None
+    if pairs["validation"]:
+        validation = tokenize_split(_cap(pairs["validation"], cfg.data.max_eval_samples), tokenizer, spec)
+        splits["validation"] = apply_overlength(validation, spec)
+        if cfg.memory.eval_enabled and len(splits["validation"]):
+            eval_lengths = (
+                np.asarray(splits["validation"]["source_len_raw"]),
+                np.asarray(splits["validation"]["label_len_raw"]),
+            )
+    if len(splits["train"]) == 0:
+        raise DataError(
+            "memory.overlength=drop dropped every training sample: raise memory.max_source_length/max_label_length"
+            " or use memory.overlength=truncate"
+        )
+    audit = audit_lengths(
+        source_raw,
+        label_raw,
+        kept_mask(train, spec),
+        task=cfg.model.task,
+        max_source=max_source,
+        max_label=max_label,
+        batch=cfg.trainer.batch_size,
+        multiple=cfg.memory.pad_to_multiple_of,
+        sampler="group_by_length" if cfg.memory.group_by_length else "random",
+        eval_lengths=eval_lengths,
+        eval_batch=cfg.memory.eval_batch_size or cfg.trainer.batch_size,
+    )
+    return PreparedData(DatasetDict(splits), audit, source_raw, label_raw)

@@ -1,0 +1,382 @@
+"""Calibration of the memory model's per-token part: four cheap probes on the device, one per fitted term, fitted
+by least squares, cached per (model architecture, memory policy, device, library versions) so a sweep pays it once.
+Where a step peaks in one of six windows (memory_model.splits_branches: T5 under gradient checkpointing), each
+probe measures the stacks' and the head's forward and backward apart, and each window is fitted alone.
+
+A probe is the preflight's own measurement (forward, backward and optimizer steps on a batch of exactly that
+shape), so a calibrated model predicts what the preflight would measure: peak allocated and peak reserved. The fit
+is over the forward + backward peaks; the optimizer step's peak, which no batch shape changes, is kept apart as a
+floor (the larger of the two is the step's peak); reserved is allocated times the allocator overhead the probes saw,
+plus what the allocator keeps cached per byte of logits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from memfit.data.audit import BatchShape
+from memfit.memory.model import (
+    COUNTED_TERMS,
+    WINDOW_TERMS,
+    Architecture,
+    FittedPeak,
+    LinearFit,
+    ModelStateBytes,
+    PeakEstimate,
+    estimate_peak,
+    fit_terms,
+    largest_batch,
+    logits_bytes,
+    splits_branches,
+    window_terms,
+)
+
+log = logging.getLogger(__name__)
+
+FORMAT = 7  # bump when what a calibration file holds or how it is fitted changes: old files are then not reused
+# 7: probe batches carry a padding mask (preflight.make_batch), which holds more memory than none
+# memory knobs that change what a step holds for a given shape (lengths, padding and eval settings do not)
+POLICY_KNOBS = (
+    "precision",
+    "weights_dtype",
+    "gradient_checkpointing",
+    "optimizer",
+    "lora_r",
+    "lora_target_modules",
+    "load_in_4bit",
+    "expandable_segments",
+    "cudnn_attention",
+)
+
+
+def wanted(calibration: DictConfig, device: str) -> bool:
+    """calibration.enabled: auto calibrates on CUDA only (host RSS is too coarse to fit); true also on CPU."""
+    setting = str(calibration.enabled).lower()
+    return setting == "true" or (setting == "auto" and device == "cuda")
+
+
+def calibration_shapes(
+    arch: Architecture,
+    tokens: int,
+    multiple: int | None = None,
+    batch_scale: int = 1,
+    max_positions: int | None = None,
+    branches: bool = False,
+) -> list[BatchShape]:
+    """Four shapes whose terms vary independently: the constant, tokens per stack and, where attention keeps its
+    scores, long against short sequences at the same tokens. `tokens` sizes the probes' lengths (capped at the
+    model's positions), `batch_scale` multiplies their batch; every length is a multiple of 8 (or of
+    pad_to_multiple_of). With `branches`, the shapes vary each window's terms independently: batch and source
+    length crossed (the encoder's windows), label length apart from them, one long (the decoder's)."""
+    step = max(8, multiple or 8)
+
+    def length(n: float) -> int:
+        return max(step, int(min(n, max_positions or n)) // step * step)
+
+    def shape(batch: int, source: float, label: float) -> BatchShape:
+        if arch.task == "causal":
+            return BatchShape(batch * batch_scale, length(source), length(source))
+        return BatchShape(batch * batch_scale, length(source), length(label))
+
+    if arch.task == "causal":
+        return [shape(1, tokens / 4, 0), shape(2, tokens / 4, 0), shape(1, tokens / 2, 0), shape(4, tokens / 16, 0)]
+    if branches:  # the last: one long label, so the decoder's attention scores show against its tokens
+        return [
+            shape(4, tokens / 8, tokens / 32),
+            shape(4, tokens / 4, tokens / 32),
+            shape(8, tokens / 8, tokens / 16),
+            shape(1, tokens / 8, tokens / 2),
+        ]
+    return [
+        shape(4, tokens / 8, tokens / 32),
+        shape(4, tokens / 4, tokens / 32),
+        shape(4, tokens / 8, tokens / 8),
+        shape(8, tokens / 16, tokens / 16),  # the tokens of the first shape in shorter sequences: scores apart
+    ]
+
+
+def probe_plan(cfg: DictConfig, arch: Architecture) -> list[tuple[int, int]]:
+    """(tokens, batch scale) to try in turn until every probe fits the budget. Checkpointed activations are a few
+    times smaller, so their probes run four times the batch to stand clear of the allocator's noise."""
+    tokens, scale = int(cfg.calibration.probe_tokens), 4 if cfg.memory.gradient_checkpointing else 1
+    plan = [(tokens, scale)]
+    while len(plan) < 4 and (scale > 1 or tokens > 256):
+        scale, tokens = (scale // 2, tokens) if scale > 1 else (scale, tokens // 2)
+        plan.append((tokens, scale))
+    return plan
+
+
+@dataclass
+class Calibration:
+    """A fitted memory model for one (architecture, policy, device, versions): predicts a probe's peaks."""
+
+    key: str
+    identity: dict[str, Any]  # what the key hashes, for people reading the file
+    architecture: Architecture
+    state: ModelStateBytes
+    fit: FittedPeak
+    probes: list[dict[str, Any]] = field(default_factory=list)  # shape and measured peaks of each probe
+    seconds: float = 0.0
+    from_cache: bool = False
+
+    def estimate(self, shape: BatchShape) -> PeakEstimate:
+        return estimate_peak(shape.batch, shape.source, shape.label, self.architecture, self.state, self.fit)
+
+    def largest_batch(self, source: int, label: int, limit: int, upper: int = 4096) -> int:
+        """The largest batch predicted to keep peak *reserved* (what the preflight judges) within `limit`."""
+        return largest_batch(self.fit, source, label, self.architecture, limit, upper)
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data.pop("from_cache")
+        return json.dumps(data, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Calibration:
+        data = json.loads(text)
+        return cls(
+            key=data["key"],
+            identity=data["identity"],
+            architecture=Architecture(**data["architecture"]),
+            state=ModelStateBytes(**data["state"]),
+            fit=FittedPeak(
+                {window: LinearFit(fit["coefficients"]) for window, fit in data["fit"]["windows"].items()},
+                data["fit"]["step_allocated"],
+                data["fit"]["reserved_ratio"],
+                data["fit"]["reserved_per_logits_byte"],
+            ),
+            probes=data["probes"],
+            seconds=data["seconds"],
+        )
+
+
+def library_versions(cfg: DictConfig) -> dict[str, str]:
+    """Versions whose kernels and allocator decide activation memory."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    names = ["torch", "transformers"]
+    if cfg.model.lora.enabled:
+        names.append("peft")
+    if cfg.memory.load_in_4bit:
+        names.append("bitsandbytes")
+    found = {}
+    for name in names:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = "absent"
+    return found
+
+
+def identity(cfg: DictConfig, device_name: str, tokens: int) -> dict[str, Any]:
+    """Everything a calibration depends on: the model, the memory policy, how the step runs, the device and the
+    library versions. Batch size, lengths and the budget are not in it: they are what the model predicts over."""
+    model = cfg.model
+    return {
+        "format": FORMAT,
+        "model": {
+            "source": model.source,
+            "name_or_path": model.name_or_path,
+            "architecture": OmegaConf.to_container(model.architecture, resolve=True),
+            "lora": OmegaConf.to_container(model.lora, resolve=True) if model.lora.enabled else None,
+        },
+        "policy": {knob: OmegaConf.to_container(cfg.memory, resolve=True)[knob] for knob in POLICY_KNOBS},
+        # with accumulation a forward runs while the previous micro-batch's gradients are held
+        "accumulates": cfg.trainer.gradient_accumulation_steps > 1,
+        "steps": cfg.preflight.steps,
+        "probe_tokens": tokens,
+        "device": device_name,
+        "versions": library_versions(cfg),
+    }
+
+
+def calibration_key(ident: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def device_name(device: str) -> str:
+    if device != "cuda":
+        return "cpu"
+    import torch
+
+    return torch.cuda.get_device_name()
+
+
+def load_cached(cache_dir: Path, key: str) -> Calibration | None:
+    path = cache_dir / f"{key}.json"
+    if not path.exists():
+        return None
+    try:
+        calibration = Calibration.from_json(path.read_text())
+    except (ValueError, KeyError, TypeError) as err:  # a damaged file is refitted, not trusted
+        log.warning("calibration %s unreadable (%s): fitting it again", path, err)
+        return None
+    calibration.from_cache = True
+    return calibration
+
+
+def cached(cfg: DictConfig, device: str) -> Calibration | None:
+    """This run's calibration if an earlier run (or trial) fitted it."""
+    ident = identity(cfg, device_name(device), int(cfg.calibration.probe_tokens))
+    return load_cached(Path(cfg.calibration.cache_dir), calibration_key(ident))
+
+
+def _measure(
+    setup: Any, arch: Architecture, shapes: list[BatchShape], on_probe: Callable[[BatchShape], None] | None
+) -> list[dict[str, Any]]:
+    """Each shape's measured forward + backward and optimizer-step peaks (and, where the setup splits them, each
+    window's of preflight._BranchMarker.WINDOWS); stops at the first OOM."""
+    from memfit.memory.probe import probe
+
+    measured = []
+    for shape in shapes:
+        if on_probe is not None:
+            on_probe(shape)
+        result = probe(setup, shape)[0]
+        if result.oom:
+            break
+        row = {
+            **asdict(shape),
+            "allocated": result.backward_peak.allocated,
+            "reserved": result.backward_peak.reserved,
+            "step_allocated": result.step_peak.allocated,
+            "step_reserved": result.step_peak.reserved,
+        }
+        for window, peak in (result.branch_peaks or {}).items():
+            row[f"{window}_allocated"], row[f"{window}_reserved"] = peak.allocated, peak.reserved
+        measured.append(row)
+    return measured
+
+
+def _fit_windows(arch: Architecture, measured: list[dict[str, Any]], branches: bool) -> dict[str, LinearFit]:
+    """One fit per window of the step (memory_model.WINDOW_TERMS where it splits), T5's position biases counted."""
+
+    def fit(window: str, peak: str) -> LinearFit:
+        terms = window_terms(window)
+        rows = [terms(m["batch"], m["source"], m["label"], arch) for m in measured]
+        return fit_terms(rows, [m[peak] for m in measured], COUNTED_TERMS)
+
+    if not branches:
+        return {"backward": fit("backward", "allocated")}
+    return {window: fit(window, f"{window}_allocated") for window in WINDOW_TERMS}
+
+
+def _fit_reserved(arch: Architecture, measured: list[dict[str, Any]]) -> tuple[float, float]:
+    """Reserved as allocated × overhead + cached bytes per byte of logits, by least squares over the probes; where
+    the logits term comes out negative (no sign of it) or cannot be told from allocated, the probes' mean
+    reserved/allocated alone. (T5 with checkpointing on an H200: the mean ratio alone missed reserved by up to 18%,
+    with the logits term 11%.)"""
+    rows = [
+        {"allocated": float(m["allocated"]), "logits": float(logits_bytes(m["batch"], m["source"], m["label"], arch))}
+        for m in measured
+    ]
+    try:
+        fitted = fit_terms(rows, [m["reserved"] for m in measured]).coefficients
+    except ValueError:
+        fitted = {"allocated": 0.0, "logits": -1.0}
+    if fitted["logits"] < 0 or fitted["allocated"] <= 0:
+        return sum(m["reserved"] / m["allocated"] for m in measured) / len(measured), 0.0
+    return fitted["allocated"], fitted["logits"]
+
+
+def calibrate(
+    cfg: DictConfig,
+    setup: Any,
+    arch: Architecture,
+    state: ModelStateBytes,
+    on_probe: Callable[[BatchShape], None] | None = None,
+) -> Calibration | None:
+    """The cached calibration for this run's (model, policy, device, versions), or a new one from four probes
+    through the preflight's `probe` (weights and RNG restored after each); smaller shapes are tried when one does
+    not fit the budget. None when no plan fits, or while another process calibrates the same key (its lock file
+    beside the cache): a run does not wait for it."""
+    tokens = int(cfg.calibration.probe_tokens)
+    ident = identity(cfg, device_name(setup.device), tokens)
+    key = calibration_key(ident)
+    cache_dir = Path(cfg.calibration.cache_dir)
+    if (found := load_cached(cache_dir, key)) is not None:
+        return found
+    checkpointed = cfg.memory.gradient_checkpointing
+    if arch.quadratic_attention and checkpointed and not splits_branches(arch, checkpointed):
+        log.warning(
+            "memory model: not calibrated: with gradient checkpointing, eager attention peaks in the largest layer's "
+            "recomputation, which memfit models for T5 only (measured on an H200); the preflight still measures "
+            "the worst batch"
+        )
+        return None
+    from filelock import FileLock, Timeout
+
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    # the OS releases the lock when its holder dies (flock), so a crashed calibration never blocks the next one
+    lock = FileLock(cache_dir / f"{key}.lock", timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:  # two trials of a multi-GPU sweep, started together: one calibrates, the other goes on
+        log.info(
+            "memory model: another process is calibrating %s now: this run goes without a prediction (the "
+            "preflight still measures the worst batch)",
+            key,
+        )
+        return None
+    try:
+        if (found := load_cached(cache_dir, key)) is not None:  # fitted by the lock's last holder since the check
+            return found
+        return _fit_and_cache(cfg, setup, arch, state, on_probe, key, ident)
+    finally:
+        lock.release()
+
+
+def _fit_and_cache(
+    cfg: DictConfig,
+    setup: Any,
+    arch: Architecture,
+    state: ModelStateBytes,
+    on_probe: Callable[[BatchShape], None] | None,
+    key: str,
+    ident: dict[str, Any],
+) -> Calibration | None:
+    cache_dir = Path(cfg.calibration.cache_dir)
+    branches = splits_branches(arch, cfg.memory.gradient_checkpointing)
+    if branches:
+        setup = replace(setup, split_branches=True)
+    start = time.perf_counter()
+    for tokens, scale in probe_plan(cfg, arch):
+        shapes = calibration_shapes(
+            arch, tokens, cfg.memory.pad_to_multiple_of, scale, cfg.model.max_positions, branches=branches
+        )
+        measured = _measure(setup, arch, shapes, on_probe)
+        if len(measured) == len(shapes):
+            break
+        log.warning("memory model: a calibration probe did not fit the budget; probing smaller shapes")
+    if branches and any("encoder_backward_allocated" not in m for m in measured):
+        log.warning(
+            "memory model: not calibrated: no gradient reached the encoder's output (a frozen encoder?), so the "
+            "probes could not measure the decoder's and the encoder's backward apart; the preflight still measures "
+            "the worst batch"
+        )
+        return None
+    try:
+        windows = _fit_windows(arch, measured, branches)
+    except (ValueError, IndexError) as err:
+        log.warning(
+            "memory model: not calibrated (%s): set calibration.probe_tokens lower than %d so the probes fit",
+            err or "no probe fitted",
+            cfg.calibration.probe_tokens,
+        )
+        return None
+    # the step's peak is the same for every shape: the largest seen
+    fit = FittedPeak(windows, max(m["step_allocated"] for m in measured), *_fit_reserved(arch, measured))
+    calibration = Calibration(key, ident, arch, state, fit, measured, time.perf_counter() - start)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    (cache_dir / f"{key}.json").write_text(calibration.to_json())
+    log.info("memory model: calibrated %s from %d probes in %.1f s", key, len(measured), calibration.seconds)
+    return calibration

@@ -1,0 +1,107 @@
+"""`estimate_only=true`: what the memory model predicts for the configured run, without training.
+
+With a calibration (on CUDA) it predicts the worst batch's peak and the largest batch predicted to fit the budget at
+the worst-case lengths; without one (CPU) it gives the analytic part, exact, and says what it cannot know.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from memfit.config import GIB
+from memfit.data.audit import BatchShape
+from memfit.memory.model import ModelStateBytes, PeakEstimate
+
+
+def size(count: float) -> str:
+    """Bytes for people: GiB from 1 GiB up, else MiB."""
+    return f"{count / GIB:.2f} GiB" if abs(count) >= GIB else f"{count / 1024**2:.1f} MiB"
+
+
+@dataclass
+class Estimate:
+    task: str
+    shape: BatchShape  # the worst batch the data can produce at the configured batch size
+    limit: int  # budget minus margin
+    budget: int
+    state: ModelStateBytes
+    logits: int  # one float32 copy of the worst batch's logits
+    peak: PeakEstimate | None = None  # None without a calibration
+    largest_batch: int | None = None
+    calibration: str | None = None  # "<key> (cached | fitted from N probes on <device>)"
+    lengths: tuple[int, int] | None = None  # (source, label) the largest batch is judged at
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.peak is None else self.peak.reserved <= self.limit
+
+    def metrics(self) -> dict[str, float]:
+        out = {f"estimate/{name}_gib": value / GIB for name, value in self._parts().items()}
+        out["estimate/limit_gib"] = self.limit / GIB
+        if self.peak is not None:
+            out["estimate/peak_allocated_gib"] = self.peak.allocated / GIB
+            out["estimate/peak_reserved_gib"] = self.peak.reserved / GIB
+            out["estimate/largest_batch"] = float(self.largest_batch or 0)
+        return out
+
+    def _parts(self) -> dict[str, int]:
+        if self.peak is not None:
+            return self.peak.breakdown()
+        return {"weights": self.state.weights, "gradients": self.state.gradients, "optimizer": self.state.optimizer}
+
+    def summary(self) -> str:
+        what = self.shape.describe(self.task)
+        parts = ", ".join(f"{name} {size(value)}" for name, value in self._parts().items())
+        limit = f"limit {size(self.limit)} (budget {size(self.budget)} minus margin)"
+        if self.peak is None:
+            return "\n".join(
+                [
+                    "estimate: analytic part only (activations are fitted from probes on the CUDA device; "
+                    "calibration.enabled=true fits them from host RSS here, roughly)",
+                    f"  model state: {parts}; total {size(self.state.total)}",
+                    f"  worst {what}: its float32 logits alone hold {size(self.logits)}; activations not estimated",
+                    f"  {limit}",
+                ]
+            )
+        verdict = "fits" if self.fits else "does NOT fit"
+        source, label = self.lengths or (self.shape.source, self.shape.label)
+        at = f"{source} tokens" if self.task == "causal" else f"source {source} × labels {label}"
+        return "\n".join(
+            [
+                f"estimate (memory model {self.calibration}):",
+                f"  worst {what}: peak allocated {size(self.peak.allocated)}, "
+                f"reserved {size(self.peak.reserved)}: {verdict} the {limit}",
+                f"  breakdown: {parts}",
+                f"  largest batch predicted to fit at {at}: {self.largest_batch}",
+            ]
+        )
+
+
+def estimate(
+    task: str,
+    worst: list[BatchShape],
+    state: ModelStateBytes,
+    arch: Any,
+    calibration: Any,
+    budget: int,
+    limit: int,
+    upper: int,
+) -> Estimate:
+    """The estimate for the audit's worst batches: the one with most tokens, and for the largest batch, the longest
+    source and the longest label together (what any batch of two or more rows can hold)."""
+    from memfit.memory.model import logits_bytes
+
+    shape = max(worst, key=lambda s: s.tokens)
+    if calibration is not None:  # the worst is the one predicted highest
+        shape = max(worst, key=lambda s: calibration.estimate(s).reserved)
+    result = Estimate(task, shape, limit, budget, state, logits_bytes(shape.batch, shape.source, shape.label, arch))
+    if calibration is None:
+        return result
+    result.peak = calibration.estimate(shape)
+    source, label = max(s.source for s in worst), max(s.label for s in worst)
+    result.lengths = (source, label)
+    result.largest_batch = calibration.largest_batch(source, label, limit, upper)
+    how = "reused from its cache" if calibration.from_cache else f"fitted from {len(calibration.probes)} probes"
+    result.calibration = f"{calibration.key} on {calibration.identity['device']}, {how}"
+    return result

@@ -1,0 +1,121 @@
+"""Memory meter: one interface, two backends (the CUDA allocator, or the process's host memory on CPU).
+
+Everything that reports memory reads it here, so CPU tests run the same code paths as GPU runs.
+A *window* is the span since the last `reset_window()`; the meter also keeps the overall peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from memfit.config import GIB
+
+
+@dataclass(frozen=True)
+class MemoryPeak:
+    allocated: int  # bytes
+    reserved: int  # bytes
+
+    @property
+    def allocated_gib(self) -> float:
+        return self.allocated / GIB
+
+    @property
+    def reserved_gib(self) -> float:
+        return self.reserved / GIB
+
+    def max(self, other: MemoryPeak) -> MemoryPeak:
+        return MemoryPeak(max(self.allocated, other.allocated), max(self.reserved, other.reserved))
+
+
+class CudaMeter:
+    """Peak allocated (tensors) and reserved (the caching allocator's segments) on one CUDA device."""
+
+    backend = "cuda"
+    label = "CUDA allocator"
+
+    def __init__(self, device_index: int = 0):
+        import torch
+
+        self.torch = torch
+        self.device = device_index
+        self.overall = MemoryPeak(0, 0)
+
+    def reset_window(self) -> None:
+        self.torch.cuda.reset_peak_memory_stats(self.device)
+
+    def window_peak(self) -> MemoryPeak:
+        cuda = self.torch.cuda
+        peak = MemoryPeak(cuda.max_memory_allocated(self.device), cuda.max_memory_reserved(self.device))
+        self.overall = self.overall.max(peak)
+        return peak
+
+    def current_bytes(self) -> int:
+        return self.torch.cuda.memory_allocated(self.device)
+
+    def alloc_retries(self) -> int:
+        """How often the caching allocator had to free its cache (a device sync) and retry to stay under the cap:
+        a step near the budget runs, but slower; counted since the process started."""
+        return int(self.torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
+
+    def total_bytes(self) -> int:
+        return self.torch.cuda.get_device_properties(self.device).total_memory
+
+
+class HostMeter:
+    """The process's peak resident set (VmHWM), reset per window through /proc/self/clear_refs.
+
+    On the host there is no allocated/reserved split: both numbers are the peak RSS of the whole process
+    (Python, libraries and tensors), which is what a host-memory budget has to hold.
+    """
+
+    backend = "host"
+    label = "host RSS (CPU)"
+    _status = Path("/proc/self/status")
+    _clear_refs = Path("/proc/self/clear_refs")
+
+    def __init__(self) -> None:
+        self.overall = MemoryPeak(0, 0)
+        self._resettable = True
+
+    def _read_kib(self, key: str) -> int:
+        for line in self._status.read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+        return 0
+
+    def reset_window(self) -> None:
+        if not self._resettable:
+            return
+        try:
+            self._clear_refs.write_text("5")  # "5" resets the peak RSS (VmHWM) to the current RSS
+        except OSError:
+            self._resettable = False  # then windows report the peak since start, which is still an upper bound
+
+    def window_peak(self) -> MemoryPeak:
+        if self._status.exists():
+            peak_bytes = self._read_kib("VmHWM") * 1024
+        else:  # not Linux: resource's ru_maxrss is the peak since start
+            import resource
+
+            peak_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        peak = MemoryPeak(peak_bytes, peak_bytes)
+        self.overall = self.overall.max(peak)
+        return peak
+
+    def current_bytes(self) -> int:
+        return self._read_kib("VmRSS") * 1024 if self._status.exists() else 0
+
+    def alloc_retries(self) -> int:
+        return 0  # the host has no caching allocator to retry
+
+    def total_bytes(self) -> int:
+        import psutil
+
+        return psutil.virtual_memory().total
+
+
+def make_meter(device: str) -> CudaMeter | HostMeter:
+    """The meter for the device a run trains on ('cuda' or 'cpu')."""
+    return CudaMeter() if device == "cuda" else HostMeter()

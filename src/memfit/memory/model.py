@@ -1,0 +1,417 @@
+"""Memory of one training step, the analytic part: weights, gradients and optimizer state, from the model's
+parameters, their dtypes and which of them train.
+
+This is the part that needs no device: it is exact for what it covers (tests/test_memory_model.py checks it
+against a real optimizer step). Activations and logits depend on kernels and the allocator and are to be fitted
+from probes on the device (issue 5); they are not estimated here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+# Optimizer state per trainable parameter, by memory.optimizer.
+MODELLED_OPTIMIZERS = ("adamw", "adafactor", "adamw_8bit")
+# bitsandbytes' 8-bit optimizers (0.4x-0.50): parameters below MIN_8BIT_SIZE elements keep float32 state; larger ones
+# keep uint8 state with a float32 absmax per block, and every 8-bit state shares two 256-entry float32 code maps.
+# Trainer registers every nn.Embedding weight for 32-bit state (transformers' create_optimizer), so those keep float32.
+MIN_8BIT_SIZE, BLOCK_8BIT, QMAPS_8BIT = 4096, 256, 2 * 256 * 4
+
+
+@dataclass(frozen=True)
+class ModelStateBytes:
+    """Bytes that a training step holds whatever the batch: weights, their gradients, the optimizer's state."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer
+
+
+def _bytes(tensor: Any) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def weight_bytes(model: Any) -> int:
+    """Stored bytes of every parameter and buffer (a 4-bit weight is stored packed, two to a byte)."""
+    return sum(_bytes(p) for p in model.parameters()) + sum(_bytes(b) for b in model.buffers())
+
+
+def gradient_bytes(model: Any) -> int:
+    """A gradient per trainable parameter, in the parameter's dtype (frozen base weights under LoRA have none)."""
+    return sum(_bytes(p) for p in model.parameters() if p.requires_grad)
+
+
+def _adamw_state(param: Any) -> int:
+    # exp_avg and exp_avg_sq in the parameter's dtype, and a float32 step counter per tensor
+    return 2 * _bytes(param) + 4
+
+
+def _adafactor_state(param: Any) -> int:
+    # transformers' Adafactor without first moment (beta1=None, as Trainer builds it): a matrix keeps one row and
+    # one column of second-moment statistics (factored), a vector keeps a full one, in the gradient's dtype; and a
+    # float32 RMS scalar per tensor
+    size = param.element_size()
+    if param.dim() >= 2:
+        rows, cols = param.shape[:-1].numel(), param.shape[:-2].numel() * param.shape[-1]
+        return (rows + cols) * size + 4
+    return _bytes(param) + 4
+
+
+def _adamw_8bit_state(param: Any, thirty_two_bit: bool = False) -> int:
+    # two moments (bitsandbytes AdamW, optim_bits=8, as Trainer's adamw_bnb_8bit builds it); the step is a Python int
+    count = param.numel()
+    if thirty_two_bit or count < MIN_8BIT_SIZE:
+        return 2 * 4 * count
+    return 2 * (count + 4 * math.ceil(count / BLOCK_8BIT))
+
+
+def _embedding_weights(model: Any) -> set[int]:
+    import torch
+
+    return {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+
+
+def optimizer_state_bytes(model: Any, optimizer: str) -> int:
+    """State the optimizer keeps once it has stepped: memory.optimizer adamw, adafactor or adamw_8bit."""
+    if optimizer not in MODELLED_OPTIMIZERS:
+        raise ValueError(f"memory.optimizer={optimizer} is not modelled: modelled are {MODELLED_OPTIMIZERS}")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if optimizer == "adamw":
+        return sum(_adamw_state(p) for p in trainable)
+    if optimizer == "adafactor":
+        return sum(_adafactor_state(p) for p in trainable)
+    embeddings = _embedding_weights(model)
+    eight_bit = [p for p in trainable if id(p) not in embeddings and p.numel() >= MIN_8BIT_SIZE]
+    return sum(_adamw_8bit_state(p, id(p) in embeddings) for p in trainable) + (QMAPS_8BIT if eight_bit else 0)
+
+
+def model_state_bytes(model: Any, optimizer: str) -> ModelStateBytes:
+    return ModelStateBytes(weight_bytes(model), gradient_bytes(model), optimizer_state_bytes(model, optimizer))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The per-token part: activations and logits, fitted from a few probes on the device (memfit.memory.calibration)
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What the per-token terms need to know of a model: its task, depth, heads, vocabulary and attention kind."""
+
+    task: str  # seq2seq | causal
+    vocab_size: int
+    encoder_layers: int  # 0 for causal models
+    decoder_layers: int
+    heads: int
+    # attention keeps b·heads·q·k scores: eager attention, or a learned position bias added to them (T5). With
+    # memory-efficient kernels (SDPA, flash) attention memory is linear in tokens and this term is left out.
+    quadratic_attention: bool
+    # whether the decoder's cross-attention keeps its scores too: with eager attention it does; T5's cross-attention
+    # has no learned bias and takes the memory-efficient kernel (measured on an H200: ~0.4 bytes per score per layer,
+    # against ~9 for its self-attention; benchmarks/README.md)
+    cross_attention_scores: bool = False
+    # T5's relative position bias: computed once per sequence, not per batch row, as a (q, k, heads) lookup in the
+    # weights' dtype from (q, k) int64 buckets, and kept by every layer of its stack
+    relative_position_bias: bool = False
+    bias_element_bytes: int = 4  # the position bias's dtype: the weights' (float32 under mixed precision)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def _first(config: Any, *names: str, default: int = 0) -> int:
+    for name in names:
+        value = getattr(config, name, None)
+        if value:
+            return int(value)
+    return default
+
+
+def describe_architecture(model: Any, task: str) -> Architecture:
+    """The Architecture of a built model (a peft model is read through its base model)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = base.config
+    if getattr(config, "encoder", None) is not None and getattr(config, "decoder", None) is not None:
+        encoder, decoder = config.encoder, config.decoder  # EncoderDecoderModel (bert2bert)
+    else:
+        encoder = decoder = config
+    attention = getattr(encoder, "_attn_implementation", None) or "eager"
+    position_bias = getattr(config, "relative_attention_num_buckets", None) is not None
+    bias_weights = [m.relative_attention_bias.weight for m in base.modules() if hasattr(m, "relative_attention_bias")]
+    if task == "causal":
+        encoder_layers = 0
+        decoder_layers = _first(config, "num_hidden_layers", "num_layers", "n_layer")
+    else:
+        encoder_layers = _first(encoder, "encoder_layers", "num_layers", "num_hidden_layers")
+        decoder_layers = _first(decoder, "decoder_layers", "num_decoder_layers", "num_layers", "num_hidden_layers")
+    return Architecture(
+        task=task,
+        vocab_size=_first(decoder, "vocab_size"),
+        encoder_layers=encoder_layers,
+        decoder_layers=decoder_layers,
+        heads=_first(decoder, "decoder_attention_heads", "num_heads", "num_attention_heads", "n_head", default=1),
+        quadratic_attention=attention == "eager" or position_bias,
+        cross_attention_scores=attention == "eager" and task == "seq2seq",
+        relative_position_bias=position_bias,
+        bias_element_bytes=bias_weights[0].element_size() if bias_weights else 4,
+    )
+
+
+def shape_terms(batch: int, source: int, label: int, arch: Architecture) -> dict[str, float]:
+    """The regressors of one padded batch: a constant, tokens per stack, and where attention keeps its scores, one
+    term counting every kept score (b·heads·q·k per layer, summed over the kinds of attention that keep them). The
+    kinds share one coefficient: a score costs the same bytes in encoder and decoder self-attention (T5 on an H200:
+    8.7 and 8.9 fitted apart), so four probes fit the model where one term per kind needed six.
+
+    Causal models see one sequence (`source` positions, labels are the same positions)."""
+    terms = {"constant": 1.0}
+    heads = arch.heads * batch
+    if arch.task == "causal":
+        terms["tokens"] = float(batch * source)
+        if arch.quadratic_attention:
+            terms["attention_scores"] = float(heads * arch.decoder_layers * source * source)
+        return terms
+    terms["encoder_tokens"] = float(batch * source)
+    terms["decoder_tokens"] = float(batch * label)
+    if arch.quadratic_attention:
+        scores = arch.encoder_layers * source * source + arch.decoder_layers * label * label
+        if arch.cross_attention_scores:
+            scores += arch.decoder_layers * label * source
+        terms["attention_scores"] = float(heads * scores)
+    return terms
+
+
+def logits_bytes(batch: int, source: int, label: int, arch: Architecture) -> int:
+    """One float32 copy of the vocabulary logits, which the loss takes (the least the logits hold at the peak)."""
+    positions = source if arch.task == "causal" else label
+    return 4 * batch * positions * arch.vocab_size
+
+
+# Terms counted, not fitted, with their coefficients: `position_biases` is already in bytes (_bias_bytes)
+COUNTED_TERMS = {"position_biases": 1.0}
+
+
+def _bias_bytes(arch: Architecture, source_bias: int, label_bias: int, cross: int, source: int, label: int) -> float:
+    """Bytes of T5's relative position biases, which hold no batch dimension (transformers 5 keeps each stack's as
+    (1, heads, q, k) and adds the mask inside attention): `source_bias`/`label_bias` count each stack's (q, k)
+    lookup in the bias's dtype (1: kept; 2: and its gradient) plus the int64 buckets its embedding's backward keeps;
+    `cross` counts the decoder's zero bias over the source (1, heads, l, s), in the same dtype."""
+    element, heads = arch.bias_element_bytes, arch.heads
+    per_score = {0: 0.0, 1: element + 8.0 / heads, 2: 2 * element + 8.0 / heads}
+    return heads * (
+        per_score[source_bias] * source * source
+        + per_score[label_bias] * label * label
+        + cross * element * label * source
+    )
+
+
+def splits_branches(arch: Architecture, gradient_checkpointing: bool) -> bool:
+    """Whether a step's peak is the largest of six windows rather than a sum of terms (WINDOW_TERMS): T5 under
+    gradient checkpointing holds only checkpoints and position biases between layers, so each window peaks on its
+    own transients (one layer's attention, or the logits), one at a time. Measured on an H200 for T5 only: other
+    attention that keeps its scores (eager) under checkpointing is not modelled."""
+    return gradient_checkpointing and arch.relative_position_bias and arch.task == "seq2seq"
+
+
+def _window_terms(
+    batch: int, source: int, label: int, arch: Architecture, names: tuple[str, ...], biases: tuple[int, int, int]
+) -> dict[str, float]:
+    """The terms a window keeps: a constant; `names` of tokens per stack (checkpoints, and in the head the logits)
+    and one layer's attention scores of the stack it runs in (b·heads·n²); and, counted, T5's position biases
+    (`biases`: _bias_bytes's source, label and cross counts)."""
+    values = {
+        "encoder_tokens": float(batch * source),
+        "decoder_tokens": float(batch * label),
+        "encoder_scores": float(batch * arch.heads * source * source),
+        "decoder_scores": float(batch * arch.heads * label * label),
+    }
+    terms = {"constant": 1.0, **{name: values[name] for name in names}}
+    if arch.relative_position_bias:
+        terms["position_biases"] = _bias_bytes(arch, *biases, source, label)
+    return terms
+
+
+def encoder_forward_terms(batch: int, source: int, label: int, arch: Architecture) -> dict[str, float]:
+    """The encoder's forward: its checkpoints and one layer's scores, over its kept position bias."""
+    return _window_terms(batch, source, label, arch, ("encoder_tokens", "encoder_scores"), (1, 0, 0))
+
+
+def decoder_forward_terms(batch: int, source: int, label: int, arch: Architecture) -> dict[str, float]:
+    """The decoder's forward: every checkpoint so far and one decoder layer's scores, over the kept biases."""
+    names = ("encoder_tokens", "decoder_tokens", "decoder_scores")
+    return _window_terms(batch, source, label, arch, names, (1, 1, 1))
+
+
+def head_terms(batch: int, source: int, label: int, arch: Architecture) -> dict[str, float]:
+    """The head's forward (logits and loss) and its backward, until the gradient reaches the decoder's output:
+    every checkpoint and the logits, per token, over the kept biases."""
+    return _window_terms(batch, source, label, arch, ("encoder_tokens", "decoder_tokens"), (1, 1, 1))
+
+
+def decoder_backward_terms(batch: int, source: int, label: int, arch: Architecture) -> dict[str, float]:
+    """The backward through the decoder: checkpoints, one decoder layer recomputed with its scores, and the
+    decoder's biases with their gradients (the self-attention's and the zero cross-attention one)."""
+    names = ("encoder_tokens", "decoder_tokens", "decoder_scores")
+    return _window_terms(batch, source, label, arch, names, (1, 2, 2))
+
+
+def encoder_backward_terms(batch: int, source: int, label: int, arch: Architecture) -> dict[str, float]:
+    """The backward through the encoder, after the decoder's memory is freed: its checkpoints, one encoder layer
+    recomputed with its scores, its position bias with its gradient."""
+    return _window_terms(batch, source, label, arch, ("encoder_tokens", "encoder_scores"), (2, 0, 0))
+
+
+Terms = Callable[[int, int, int, Architecture], dict[str, float]]
+
+# The windows of a step that splits (preflight._BranchMarker measures each apart), in the order they run: each is
+# fitted alone over its own terms, and the step's peak is the largest. Without a split there is one window,
+# "backward" (forward + backward), over shape_terms.
+WINDOW_TERMS: dict[str, Terms] = {
+    "encoder_forward": encoder_forward_terms,
+    "decoder_forward": decoder_forward_terms,
+    "head_forward": head_terms,
+    "head_backward": head_terms,
+    "decoder_backward": decoder_backward_terms,
+    "encoder_backward": encoder_backward_terms,
+}
+# the windows in which the float32 logits exist (for the breakdown)
+LOGITS_WINDOWS = ("backward", "head_forward", "head_backward")
+
+
+def window_terms(window: str) -> Terms:
+    return shape_terms if window == "backward" else WINDOW_TERMS[window]
+
+
+@dataclass(frozen=True)
+class LinearFit:
+    """Peak bytes as a linear function of a shape's terms, fitted by least squares."""
+
+    coefficients: dict[str, float]
+
+    def predict(self, terms: dict[str, float]) -> float:
+        return sum(self.coefficients.get(name, 0.0) * value for name, value in terms.items())
+
+
+def fit_terms(rows: list[dict[str, float]], peaks: list[float], fixed: dict[str, float] | None = None) -> LinearFit:
+    """Least squares of measured peaks on their shapes' terms; `fixed` terms keep the coefficients given (counted,
+    not fitted). Needs at least as many probes as free terms, and probes that vary them independently
+    (memfit.memory.calibration chooses such shapes)."""
+    import numpy as np
+
+    fixed = {name: value for name, value in (fixed or {}).items() if name in rows[0]}
+    peaks = [
+        peak - sum(value * row[name] for name, value in fixed.items()) for row, peak in zip(rows, peaks, strict=True)
+    ]
+    names = [name for name in rows[0] if name not in fixed]
+    if len(rows) < len(names):
+        raise ValueError(f"fitting {len(names)} terms ({', '.join(names)}) needs as many probes, got {len(rows)}")
+    design = np.array([[row[name] for name in names] for row in rows], dtype=np.float64)
+    scale = np.abs(design).max(axis=0)  # columns span 1 to ~1e9: scale them so the solve is well conditioned
+    if np.linalg.matrix_rank(design / scale) < len(names):
+        raise ValueError(f"the probes do not vary the terms {', '.join(names)} independently")
+    solution, *_ = np.linalg.lstsq(design / scale, np.asarray(peaks, dtype=np.float64), rcond=None)
+    fitted = {name: float(value / s) for name, value, s in zip(names, solution, scale, strict=True)}
+    return LinearFit({**fitted, **fixed})
+
+
+@dataclass(frozen=True)
+class PeakEstimate:
+    """A predicted peak and what it is made of. weights/gradients/optimizer are the analytic counts; logits is the
+    float32 logits copy; activations is the fitted per-token rest; `other` is the fitted constant beyond the model
+    state (kernel workspaces, allocator rounding; negative where not every gradient exists at the peak). `phase`
+    says where the peak falls: in forward + backward (in the forward, the decoder's or the encoder's backward where
+    those are modelled apart), or in the optimizer step."""
+
+    allocated: int
+    reserved: int
+    weights: int
+    gradients: int
+    optimizer: int
+    logits: int
+    activations: int
+    other: int
+    phase: str = "backward"
+
+    def breakdown(self) -> dict[str, int]:
+        return {
+            "weights": self.weights,
+            "gradients": self.gradients,
+            "optimizer": self.optimizer,
+            "activations": self.activations,
+            "logits": self.logits,
+            "other": self.other,
+        }
+
+
+@dataclass(frozen=True)
+class FittedPeak:
+    """Peak memory of a training step as calibrated. Each window of the step (one, "backward", or the six of
+    WINDOW_TERMS where the step splits) is linear in its terms, and the forward + backward peak is the largest; the
+    optimizer step's peak does not depend on the batch and is the floor (with checkpointing or small batches it can
+    be the higher one). Reserved memory is the allocated peak times the caching allocator's overhead, plus what it
+    keeps cached per byte of logits: their blocks, the step's largest, are freed and seldom reused whole."""
+
+    windows: dict[str, LinearFit]
+    step_allocated: int
+    reserved_ratio: float
+    reserved_per_logits_byte: float = 0.0
+
+    def branches(self) -> list[tuple[str, LinearFit, Terms]]:
+        return [(window, fit, window_terms(window)) for window, fit in self.windows.items()]
+
+    def backward_peak(self, batch: int, source: int, label: int, arch: Architecture) -> tuple[str, LinearFit, float]:
+        """The window that peaks highest, its fit and its predicted peak."""
+        predicted = [
+            (name, fit, fit.predict(terms(batch, source, label, arch))) for name, fit, terms in self.branches()
+        ]
+        return max(predicted, key=lambda branch: branch[2])
+
+    def allocated(self, batch: int, source: int, label: int, arch: Architecture) -> float:
+        return max(self.backward_peak(batch, source, label, arch)[2], self.step_allocated)
+
+    def reserved(self, batch: int, source: int, label: int, arch: Architecture) -> float:
+        return self.reserved_from(self.allocated(batch, source, label, arch), logits_bytes(batch, source, label, arch))
+
+    def reserved_from(self, allocated: float, logits: int) -> float:
+        """Reserved for a step whose peak allocated is `allocated` and whose float32 logits take `logits` bytes."""
+        return allocated * self.reserved_ratio + logits * self.reserved_per_logits_byte
+
+
+def estimate_peak(
+    batch: int, source: int, label: int, arch: Architecture, state: ModelStateBytes, fit: FittedPeak
+) -> PeakEstimate:
+    window, branch, backward = fit.backward_peak(batch, source, label, arch)
+    allocated = max(backward, fit.step_allocated)
+    constant = branch.coefficients.get("constant", 0.0)
+    every_logit = logits_bytes(batch, source, label, arch)
+    logits = every_logit if window in LOGITS_WINDOWS else 0  # held at the peak
+    return PeakEstimate(
+        allocated=round(allocated),
+        reserved=round(fit.reserved_from(allocated, every_logit)),
+        weights=state.weights,
+        gradients=state.gradients,
+        optimizer=state.optimizer,
+        logits=logits,
+        activations=round(backward - constant - logits),
+        other=round(constant - state.total),
+        phase=window.replace("_", " ") if backward >= fit.step_allocated else "optimizer step",
+    )
+
+
+def largest_batch(fit: FittedPeak, source: int, label: int, arch: Architecture, limit: int, upper: int) -> int:
+    """The largest batch whose predicted peak *reserved* (what the preflight judges) is within `limit` at these
+    lengths (0: not even one row), at most `upper`. Every window grows with the batch, so bisection finds it."""
+    low, high = 0, upper
+    while low < high:
+        middle = (low + high + 1) // 2
+        if fit.reserved(middle, source, label, arch) <= limit:
+            low = middle
+        else:
+            high = middle - 1
+    return low

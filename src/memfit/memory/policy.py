@@ -1,0 +1,176 @@
+"""Memory policy → concrete knobs: allocator environment, the budget cap, and Trainer arguments.
+
+The allocator settings must be in place before CUDA initialises, so `apply_allocator_env` runs first
+thing in a run, before torch touches the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig
+
+from memfit.config import GIB
+
+OPTIMIZER_NAMES = {"adamw": "adamw_torch", "adamw_8bit": "adamw_bnb_8bit", "adafactor": "adafactor"}
+
+
+def resolve_device(cfg: DictConfig) -> str:
+    """'cuda' or 'cpu' for trainer.device=auto|cuda|cpu."""
+    if cfg.trainer.device != "auto":
+        return cfg.trainer.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def apply_allocator_env(memory: DictConfig) -> None:
+    """expandable_segments lowers fragmentation in long runs; it has to be set before CUDA starts."""
+    if not memory.expandable_segments:
+        return
+    current = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if "expandable_segments" not in current:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, [current, "expandable_segments:True"]))
+
+
+def cpu_runs_bf16_fast() -> bool:
+    """Whether this CPU multiplies bf16 matrices through oneDNN (AVX-512 and newer). Without it torch multiplies
+    them in a plain loop: on an AVX2-only EPYC a default-job step under bf16 autocast took 105 s."""
+    import torch
+
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    if check is not None:
+        return bool(check())
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+def fall_back_to_fp32_on_slow_cpu(memory: DictConfig, device: str) -> list[str]:
+    """On a CPU without fast bf16, train in fp32: what bf16 saves is GPU memory, and there it would cost a run
+    its speed many times over. The preflight and training then both measure fp32, so the run stays consistent;
+    the recorded config says fp32. Returns the knobs changed."""
+    if device != "cpu" or cpu_runs_bf16_fast():
+        return []
+    changed = [knob for knob in ("precision", "weights_dtype") if memory[knob] == "bf16"]
+    for knob in changed:
+        memory[knob] = "fp32"
+    return changed
+
+
+def apply_attention_kernels(memory: DictConfig, device: str) -> None:
+    """Whether scaled-dot-product attention may use cuDNN's kernel. cuDNN builds a plan for each new input shape,
+    a host-side cost of a step that meets one, and length-grouped batches padded to a multiple of 8 meet dozens of
+    shapes an epoch; torch's memory-efficient kernel, which runs instead, has no such cost."""
+    if device != "cuda":
+        return
+    import torch
+
+    torch.backends.cuda.enable_cudnn_sdp(memory.cudnn_attention)
+
+
+def pin_one_gpu() -> str | None:
+    """Leave this process one GPU, the first it may see, unless a distributed launcher started it.
+
+    memfit's budget, preflight and meter are per device, but Trainer spreads a plain process over every GPU it
+    sees with DataParallel: the batch is split across them and the outputs gathered on the first, which then
+    holds more than the preflight measured, and the steps counted change. Runs under torchrun or accelerate
+    (WORLD_SIZE set) own one device per process already. It has to run before CUDA starts. Returns the device
+    kept when it narrowed the choice, else None."""
+    if "WORLD_SIZE" in os.environ or "LOCAL_RANK" in os.environ:
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = [d.strip() for d in visible.split(",") if d.strip()] if visible is not None else None
+    if devices is not None and len(devices) <= 1:
+        return None
+    kept = devices[0] if devices else "0"
+    os.environ["CUDA_VISIBLE_DEVICES"] = kept
+    return kept
+
+
+@dataclass(frozen=True)
+class BudgetCap:
+    budget_bytes: int | None  # what the run must fit in; None = the whole device
+    device_bytes: int
+    fraction: float | None  # the allocator cap set on CUDA, None when not capped
+    enforced: bool  # True when the device itself refuses allocations past the budget
+
+    @property
+    def label(self) -> str:
+        if self.budget_bytes is None:
+            return "no budget (whole device)"
+        how = "enforced by the CUDA allocator cap" if self.enforced else "checked against measured peaks"
+        return f"{self.budget_bytes / GIB:.2f} GiB ({how})"
+
+
+def apply_budget(cfg: DictConfig, device: str, device_bytes: int) -> BudgetCap:
+    """On CUDA, cap the allocator at min(budget, memory_fraction × device) so an over-budget step is a real OOM.
+
+    On CPU the budget applies to host memory: it is compared with the measured peak RSS, not enforced.
+    """
+    budget = int(cfg.budget.gib * GIB) if cfg.budget.gib is not None else None
+    fractions = [cfg.memory.memory_fraction] if cfg.memory.memory_fraction else []
+    if cfg.budget.enforce and budget:
+        fractions.append(budget / device_bytes)
+    if device != "cuda":
+        return BudgetCap(budget, device_bytes, None, enforced=False)
+    import torch
+
+    # Always set: the cap is process-wide and outlives a run, so an earlier run's small budget must not stay.
+    fraction = min(1.0, *fractions) if fractions else 1.0
+    torch.cuda.set_per_process_memory_fraction(fraction)
+    if not fractions:
+        return BudgetCap(budget, device_bytes, None, enforced=False)
+    return BudgetCap(budget or int(fraction * device_bytes), device_bytes, fraction, enforced=True)
+
+
+def _sampling_kwargs(args_cls: type, group_by_length: bool) -> dict[str, Any]:
+    """transformers 5.x renamed group_by_length to train_sampling_strategy; support both spellings."""
+    names = {f.name for f in dataclasses.fields(args_cls)}
+    if "train_sampling_strategy" in names:
+        return {"train_sampling_strategy": "group_by_length" if group_by_length else "random"}
+    return {"group_by_length": group_by_length} if "group_by_length" in names else {}
+
+
+def training_arguments(cfg: DictConfig, device: str, output_dir: str, has_eval: bool) -> Any:
+    """HF (Seq2Seq)TrainingArguments from the trainer config and the memory policy's knobs."""
+    from transformers import Seq2SeqTrainingArguments, TrainingArguments
+
+    args_cls = Seq2SeqTrainingArguments if cfg.model.task == "seq2seq" else TrainingArguments
+    t, mem = cfg.trainer, cfg.memory
+    evaluate = has_eval and mem.eval_enabled
+    # null eval_steps = once at the end: at max_steps, or per epoch when training by epochs
+    eval_steps = t.eval_steps or (t.max_steps if t.max_steps > 0 else None)
+    kwargs: dict[str, Any] = dict(
+        output_dir=output_dir,
+        per_device_train_batch_size=t.batch_size,
+        per_device_eval_batch_size=mem.eval_batch_size or t.batch_size,
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        learning_rate=t.learning_rate,
+        weight_decay=t.weight_decay,
+        warmup_steps=t.warmup_steps,
+        max_steps=t.max_steps,
+        num_train_epochs=t.num_train_epochs,
+        logging_steps=t.logging_steps,
+        eval_strategy=("steps" if eval_steps else "epoch") if evaluate else "no",
+        eval_steps=eval_steps if evaluate else None,
+        save_strategy="steps" if t.save_steps else "no",
+        save_steps=t.save_steps or 500,
+        seed=t.seed,
+        bf16=mem.precision == "bf16",
+        fp16=mem.precision == "fp16",
+        optim=OPTIMIZER_NAMES[mem.optimizer],
+        torch_empty_cache_steps=mem.empty_cache_steps,
+        use_cpu=device == "cpu",
+        dataloader_num_workers=t.dataloader_num_workers,
+        report_to="none",  # memfit owns the MLflow run (tracking.py)
+        remove_unused_columns=False,  # datasets hold only model inputs; peft wrappers hide forward's signature
+        disable_tqdm=bool(os.environ.get("CI")),
+    )
+    kwargs.update(_sampling_kwargs(args_cls, mem.group_by_length))
+    if args_cls is Seq2SeqTrainingArguments and t.predict_with_generate:
+        from memfit.config import effective_lengths
+
+        kwargs.update(predict_with_generate=True, generation_max_length=effective_lengths(cfg)[1])
+    return args_cls(**kwargs)

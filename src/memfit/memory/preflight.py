@@ -1,0 +1,221 @@
+"""Worst-case preflight: before step 1, probe the largest batches the data can produce under the budget, judge
+their measured peaks against the limit, and when they do not fit, name the ways out.
+
+The preflight owns no training: it takes a model, an optimizer factory, the worst batch shapes and a budget, and
+returns a measured report.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from memfit.config import GIB
+from memfit.data.audit import BatchShape, label_coverage
+from memfit.memory.probe import Probe, ProbeSetup, probe
+
+
+@dataclass
+class PreflightReport:
+    passed: bool
+    probes: list[Probe]
+    limit_bytes: int  # budget minus margin
+    budget_bytes: int
+    meter: str
+    task: str
+    suggestions: list[str] = field(default_factory=list)
+    max_batch: int | None = None
+    seconds: float = 0.0
+
+    @property
+    def worst(self) -> Probe:
+        return max(self.probes, key=lambda p: (p.oom, p.judged_bytes))
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.limit_bytes - self.worst.judged_bytes
+
+    def metrics(self) -> dict[str, float]:
+        worst = self.worst
+        out = {
+            "preflight/passed": float(self.passed),
+            "preflight/worst_batch": worst.shape.batch,
+            "preflight/worst_source": worst.shape.source,
+            "preflight/worst_label": worst.shape.label,
+            "preflight/seconds": self.seconds,
+            "preflight/headroom_gib": self.headroom_bytes / GIB,
+        }
+        timed = [p for p in self.probes if p.phase == "train" and len(p.step_seconds) > 1]
+        if timed:  # a step on a padded shape met for the first time, and one repeating it (issue 4's step times)
+            longest = max(timed, key=lambda p: p.shape.tokens)
+            out["preflight/first_step_s"] = longest.step_seconds[0]
+            out["preflight/repeat_step_s"] = sum(longest.step_seconds[1:]) / (len(longest.step_seconds) - 1)
+        if worst.peak:
+            out["preflight/peak_allocated_gib"] = worst.peak.allocated_gib
+            out["preflight/peak_reserved_gib"] = worst.peak.reserved_gib
+        if self.max_batch:
+            out["preflight/max_batch"] = self.max_batch
+        return out
+
+    def summary(self) -> str:
+        lines = []
+        for each in self.probes:
+            what = each.shape.describe(self.task)
+            if each.oom:
+                attempted = f" (attempted ~{each.attempted_bytes / GIB:.2f} GiB)" if each.attempted_bytes else ""
+                lines.append(f"  {each.phase} {what}: OUT OF MEMORY{attempted}")
+            else:
+                lines.append(
+                    f"  {each.phase} {what}: peak allocated {each.peak.allocated_gib:.2f} GiB, "
+                    f"reserved {each.peak.reserved_gib:.2f} GiB ({each.seconds:.1f} s)"
+                )
+        verdict = "fits" if self.passed else "does NOT fit"
+        head = (
+            f"preflight: the worst batch {verdict} the budget: limit {self.limit_bytes / GIB:.2f} GiB "
+            f"(budget {self.budget_bytes / GIB:.2f} GiB minus margin, {self.meter}), "
+            f"headroom {self.headroom_bytes / GIB:+.2f} GiB"
+        )
+        lines.insert(0, head)
+        if self.max_batch:
+            lines.append(f"  largest batch that fits the worst case: {self.max_batch}")
+        if self.suggestions:
+            lines.append("  ways out, largest expected saving first (estimates from the measured peak):")
+            lines += [f"    {i}. {s}" for i, s in enumerate(self.suggestions, 1)]
+        return "\n".join(lines)
+
+
+def fits(probes: list[Probe], limit: int) -> bool:
+    """Every probe ran without OOM and within the limit."""
+    return all(not p.oom and p.judged_bytes <= limit for p in probes)
+
+
+def find_max_batch(
+    setup: ProbeSetup, shape: BatchShape, limit: int, upper: int, on_probe: Callable[[int], None] | None = None
+) -> int | None:
+    """The largest batch whose worst case fits: doubling, then bisection, always on the worst shape. `on_probe` is
+    told each batch size before it is probed (the progress bar).
+
+    A batch that the last fitting probe, scaled linearly in batch size, puts well over the limit is taken as not
+    fitting without being run: on CPU nothing caps the allocator, so such a probe could take the whole host down.
+    """
+    measured: dict[int, Probe] = {}
+
+    def batch_fits(batch: int) -> bool:
+        fitting = [b for b, p in measured.items() if b < batch and not p.oom and p.judged_bytes <= limit]
+        if fitting:
+            base = measured[max(fitting)]
+            activations = max(base.judged_bytes - base.static_bytes, 0)
+            if base.static_bytes + activations * batch / max(fitting) > 1.1 * limit:
+                return False
+        if on_probe is not None:
+            on_probe(batch)
+        probes = probe(setup, BatchShape(batch, shape.source, shape.label))
+        measured[batch] = probes[0]
+        return fits(probes, limit)
+
+    good, bad = 0, None
+    batch = max(1, shape.batch)
+    while batch <= upper:
+        if not batch_fits(batch):
+            bad = batch
+            break
+        good, batch = batch, batch * 2
+    if bad is not None:  # bisect between the last fit (or nothing) and the first failure
+        while bad - good > 1:
+            middle = (good + bad) // 2
+            good, bad = (middle, bad) if batch_fits(middle) else (good, middle)
+    return good or None
+
+
+def _shortened(shape: BatchShape, name: str, length: int, task: str) -> BatchShape:
+    if task == "causal":  # one sequence: shortening either part shortens it
+        return BatchShape(shape.batch, length, length)
+    return replace(shape, **{name: length})
+
+
+def suggest(
+    report_probes: list[Probe],
+    limit: int,
+    *,
+    batch: int,
+    accumulation: int,
+    task: str,
+    label_raw: np.ndarray,
+    max_label: int,
+    memory: Any,
+    source_raw: np.ndarray | None = None,
+    max_source: int = 0,
+    trainable_params: int,
+    lora_enabled: bool,
+    predict: Callable[[BatchShape], float] | None = None,
+) -> list[str]:
+    """Concrete ways out, ranked by expected saving. With `predict` (the calibrated memory model: a shape's peak
+    reserved bytes) smaller batches and lengths are judged by it; without, activation memory is taken as
+    proportional to the batch's tokens, on top of the static part (weights + optimizer state) the probe measured."""
+    worst = max(report_probes, key=lambda p: p.judged_bytes)
+    peak = worst.judged_bytes
+    static = worst.static_bytes or 0
+    activations = max(peak - static, 1)
+    need = peak - limit
+    shape = worst.shape
+    source = "memory model" if predict else "scaled from the measured peak"
+    ranked: list[tuple[float, str]] = []
+    effective = batch * accumulation
+    for smaller in range(batch - 1, 0, -1):
+        expected = predict(replace(shape, batch=smaller)) if predict else static + activations * smaller / batch
+        if expected <= limit or smaller == 1:
+            ranked.append(
+                (
+                    peak - expected,
+                    f"trainer.batch_size={smaller} trainer.gradient_accumulation_steps="
+                    f"{math.ceil(effective / smaller)} (same effective batch {effective}; expected peak "
+                    f"~{expected / GIB:.1f} GiB, {source})",
+                )
+            )
+            break
+    per_token = activations / (shape.source + shape.label)
+    lengths = [("label", "memory.max_label_length", shape.label, label_raw, max_label)]
+    if task == "seq2seq":
+        lengths.append(("source", "memory.max_source_length", shape.source, source_raw, max_source))
+    for name, knob, current, raw, configured in lengths:
+        if current <= 16:
+            continue
+        if predict:
+            shorter = next(
+                (n for n in range(current - 8, 7, -8) if predict(_shortened(shape, name, n, task)) <= limit), 8
+            )
+            saving = peak - predict(_shortened(shape, name, shorter, task))
+        else:
+            shorter = max(8, current - math.ceil(need / per_token) if need > 0 else current // 2)
+            saving = per_token * (current - shorter)
+        if shorter < current:
+            ranked.append(
+                (
+                    saving,
+                    f"{knob}={shorter} (keeps {label_coverage(raw, shorter):.1%} of {name} tokens; "
+                    f"{configured} keeps {label_coverage(raw, configured):.1%})",
+                )
+            )
+    if not memory.gradient_checkpointing:
+        ranked.append(
+            (
+                0.5 * activations,
+                "memory.gradient_checkpointing=true (~40-60% less activation memory, ~30% slower steps)",
+            )
+        )
+    if memory.optimizer == "adamw":
+        ranked.append(
+            (
+                6.0 * trainable_params,
+                "memory.optimizer=adamw_8bit on GPU, or adafactor (AdamW keeps "
+                f"{8 * trainable_params / GIB:.2f} GiB of state for {trainable_params / 1e6:.0f}M params)",
+            )
+        )
+    if task == "causal" and not lora_enabled:
+        ranked.append((0.0, "model.lora.enabled=true, or memory=qlora for 4-bit base weights"))
+    ranked.sort(key=lambda item: -item[0])
+    return [text for _, text in ranked]

@@ -1,0 +1,166 @@
+"""One run, straight through: config → data + length audit → model → worst-case preflight → training → tracking."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+
+from omegaconf import DictConfig, OmegaConf
+
+from memfit.config import GIB, ConfigError, validate
+from memfit.memory.policy import apply_allocator_env, fall_back_to_fp32_on_slow_cpu, pin_one_gpu, resolve_device
+from memfit.run.context import RunContext, StartupClock, TrainingSetup, WorstCase
+from memfit.run.identity import find_resume_point, remember_run, run_name, run_tags
+from memfit.run.report import OutOfMemoryInTraining, RunReport, is_oom
+from memfit.run.train_phase import prepare_training, train
+from memfit.run.worst_case import calibration_path, estimate, run_preflight
+
+log = logging.getLogger("memfit")
+
+
+def _log_audit(ctx: RunContext, audit_seconds: float) -> None:
+    from memfit.data.audit import plot_histogram, render_table
+
+    prepared, tracker = ctx.prepared, ctx.tracker
+    log.info("\n%s", render_table(prepared.audit).rstrip())
+    tracker.log_metrics({**prepared.audit.metrics(), "audit/seconds": audit_seconds}, step=0)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = plot_histogram(prepared.audit, prepared.source_raw, prepared.label_raw, f"{tmp}/length_histogram.png")
+        tracker.log_artifact(path, "audit")
+
+
+def _start(cfg: DictConfig, clock: StartupClock) -> RunContext:
+    """Checks, device, tokenizer, data and its audit, the budget cap and the MLflow run: bad input raises before any
+    model load or record."""
+    # before anything initialises CUDA, validation included (it may ask whether CUDA is available)
+    apply_allocator_env(cfg.memory)
+    kept_gpu = pin_one_gpu() if cfg.trainer.device != "cpu" else None
+    validate(cfg)
+    from memfit.preconditions import check_before_run, check_budget
+
+    check_before_run(cfg)
+    from transformers import set_seed
+
+    from memfit.data import load_and_tokenize
+    from memfit.memory.meter import make_meter
+    from memfit.memory.policy import apply_attention_kernels, apply_budget
+    from memfit.models import build_tokenizer
+    from memfit.tracking import start_tracking
+
+    device = resolve_device(cfg)
+    if kept_gpu is not None and device == "cuda":  # said only where a GPU trains (on CPU the narrowing is moot)
+        log.info("training on one GPU (CUDA_VISIBLE_DEVICES=%s): budget and preflight are per device", kept_gpu)
+    if changed := fall_back_to_fp32_on_slow_cpu(cfg.memory, device):
+        log.warning(
+            "this CPU has no fast bf16 (no AVX-512): training in fp32, not bf16 (%s); memory measured is fp32's",
+            ", ".join(f"memory.{knob}" for knob in changed),
+        )
+    set_seed(cfg.trainer.seed)
+    clock.lap("checks")
+    tokenizer = build_tokenizer(cfg.model)
+    clock.lap("tokenizer")
+    prepared = load_and_tokenize(cfg, tokenizer)
+    clock.lap("data")
+    meter = make_meter(device)
+    if problems := check_budget(cfg, device, meter.total_bytes()):
+        raise ConfigError(problems)
+    cap = apply_budget(cfg, device, meter.total_bytes())
+    apply_attention_kernels(cfg.memory, device)
+    clock.lap("device")  # on CUDA: the context's start
+    log.info("device %s, memory meter: %s, budget: %s", device, meter.label, cap.label)
+    resume = find_resume_point(cfg)
+    tracker = start_tracking(cfg, run_name(cfg), run_tags(cfg, device, meter.label), run_id=resume.run_id)
+    remember_run(cfg, tracker, resume)
+    return RunContext(cfg, device, tokenizer, prepared, meter, cap, tracker, resume, clock)
+
+
+def _record_start(ctx: RunContext) -> None:
+    ctx.tracker.log_params(_flat_config(ctx.cfg))
+    ctx.tracker.log_text(OmegaConf.to_yaml(ctx.cfg, resolve=True), "config.yaml")
+    ctx.clock.lap("tracking")
+    _log_audit(ctx, ctx.clock.seconds["data"])
+    ctx.clock.lap("audit")
+
+
+def _flat_config(cfg: DictConfig) -> dict[str, str]:
+    from memfit.tracking import flatten
+
+    return flatten(cfg)
+
+
+def _with_worst_case(report: RunReport, ctx: RunContext, worst: WorstCase) -> RunReport:
+    """The preflight's and the memory model's findings, copied into the run's report."""
+    report.run_id, report.meter = ctx.tracker.run_id, ctx.meter.label
+    report.label_coverage = ctx.prepared.audit.label_coverage
+    if worst.calibration is not None:
+        report.calibration = calibration_path(ctx.cfg.calibration.cache_dir, worst.calibration)
+        report.predicted_peak_gib = worst.predicted_peak_gib
+    if worst.report is not None:
+        judged = worst.report.worst
+        report.worst_case_peak_gib = judged.judged_bytes / GIB
+        report.limit_gib = worst.report.limit_bytes / GIB
+        report.worst_case_shape = [judged.shape.batch, judged.shape.source, judged.shape.label]
+        report.max_batch = worst.report.max_batch
+    report.phase_seconds = dict(ctx.clock.seconds)
+    return report
+
+
+def _phases(ctx: RunContext) -> tuple[RunReport, WorstCase]:
+    """Model and Trainer, then estimate, preflight and training, as the config asks."""
+    cfg, worst = ctx.cfg, WorstCase()
+    setup: TrainingSetup = prepare_training(ctx)
+    log.info("start-up: %s", ctx.clock.summary())
+    ctx.tracker.log_metrics({f"startup/{phase}_s": seconds for phase, seconds in ctx.clock.seconds.items()}, step=0)
+    if cfg.estimate_only:
+        return estimate(ctx, setup), worst
+    if cfg.preflight.enabled:
+        worst = run_preflight(ctx, setup)
+        ctx.clock.lap("preflight")
+        if not worst.report.passed:
+            return RunReport(status="preflight_failed", reason=worst.report.summary()), worst
+    if cfg.preflight_only:
+        return RunReport(status="ok", steps=0), worst
+    report = train(ctx, setup)
+    ctx.clock.lap("train")
+    return report, worst
+
+
+def _ended_by(err: BaseException) -> tuple[str, str]:
+    """(status, reason) of a run that an exception ended."""
+    from memfit.training.trainer import NonFiniteLoss
+
+    status = "oom" if is_oom(err) else "nan_loss" if isinstance(err, NonFiniteLoss) else "failed"
+    first_line = str(err).splitlines()[0] if str(err) else ""
+    if isinstance(err, OutOfMemoryInTraining | NonFiniteLoss):
+        return status, first_line
+    return status, f"{status}: {type(err).__name__}: {first_line}"
+
+
+def run(cfg: DictConfig) -> RunReport:
+    """Validate and load data (bad input raises before any model load or record), then audit, preflight, train."""
+    ctx = _start(cfg, StartupClock())
+    try:
+        _record_start(ctx)
+        report, worst = _phases(ctx)
+    except (Exception, KeyboardInterrupt) as err:
+        status, reason = _ended_by(err)
+        ctx.tracker.finish("KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED", reason)
+        if status in ("oom", "nan_loss"):
+            return RunReport(status=status, reason=reason, run_id=ctx.tracker.run_id, meter=ctx.meter.label)
+        raise
+    _with_worst_case(report, ctx, worst)
+    if report.status == "preflight_failed":
+        ctx.tracker.finish("FAILED", "preflight: the worst batch does not fit the budget")
+        return report
+    ctx.tracker.finish("FINISHED")
+    if not (cfg.preflight_only or cfg.estimate_only):
+        log.info(
+            "done: %d steps, loss %s, peak allocated %.2f GiB, peak reserved %.2f GiB (%s), %.0f tokens/s",
+            report.steps,
+            f"{report.final_loss:.4f}" if report.final_loss is not None else "n/a",
+            report.peak_allocated_gib,
+            report.peak_reserved_gib,
+            ctx.meter.label,
+            report.tokens_per_s,
+        )
+    return report

@@ -1,0 +1,81 @@
+"""A run's name, its tags, and where its checkpoints live: what a resumed run uses to find itself again."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+log = logging.getLogger("memfit")
+
+
+def run_name(cfg: DictConfig) -> str:
+    if cfg.tracking.run_name:
+        return cfg.tracking.run_name
+    budget = f"-{cfg.budget.gib:g}GiB" if cfg.budget.gib else ""
+    return f"{cfg.model.name}-{cfg.memory.name}-b{cfg.trainer.batch_size}{budget}"
+
+
+def run_tags(cfg: DictConfig, device: str, meter_label: str) -> dict[str, str]:
+    return {
+        "memfit.model": cfg.model.name,
+        "memfit.data": cfg.data.name,
+        "memfit.memory": cfg.memory.name,
+        "memfit.budget_gib": "none" if cfg.budget.gib is None else f"{cfg.budget.gib:g}",
+        "memfit.device": device,
+        "memfit.meter": meter_label,
+        "memfit.mode": "estimate_only" if cfg.estimate_only else "preflight_only" if cfg.preflight_only else "train",
+        "memfit.cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", "all"),
+        "memfit.cpu_threads": os.environ.get("OMP_NUM_THREADS", "all"),
+        "memfit.cpu_cores": core_ranges(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else "all",
+    }
+
+
+def core_ranges(cores: list[int]) -> str:
+    """0-3,8-11 for [0, 1, 2, 3, 8, 9, 10, 11]: the cores this run may use, as taskset writes them."""
+    runs: list[list[int]] = []
+    for core in cores:
+        if runs and core == runs[-1][-1] + 1:
+            runs[-1].append(core)
+        else:
+            runs.append([core])
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    checkpoint: str | None = None  # the last checkpoint directory, for Trainer.train(resume_from_checkpoint=...)
+    run_id: str | None = None  # the MLflow run that wrote it, continued instead of forking a new one
+
+
+def checkpoint_dir(cfg: DictConfig) -> Path:
+    return Path(cfg.output_dir) / "checkpoints" / run_name(cfg)
+
+
+def find_resume_point(cfg: DictConfig) -> ResumePoint:
+    """With trainer.resume=true: the last checkpoint of this run name and its MLflow run, if there is one."""
+    if not cfg.trainer.resume or not checkpoint_dir(cfg).is_dir():
+        return ResumePoint()
+    from transformers.trainer_utils import get_last_checkpoint
+
+    checkpoint = get_last_checkpoint(str(checkpoint_dir(cfg)))
+    marker = checkpoint_dir(cfg) / "memfit_run.json"
+    run_id = json.loads(marker.read_text()).get("run_id") if marker.exists() and checkpoint else None
+    if checkpoint:
+        log.info("resuming from %s (MLflow run %s)", checkpoint, run_id or "new")
+    return ResumePoint(checkpoint, run_id)
+
+
+def remember_run(cfg: DictConfig, tracker: Any, resume: ResumePoint) -> None:
+    """Checkpointed runs note their MLflow run beside the checkpoints, so that a resume continues it."""
+    if tracker.run_id is None or not cfg.trainer.save_steps:
+        return
+    checkpoint_dir(cfg).mkdir(parents=True, exist_ok=True)
+    (checkpoint_dir(cfg) / "memfit_run.json").write_text(json.dumps({"run_id": tracker.run_id}))
+    if resume.checkpoint:
+        tracker.set_tags({"memfit.resumed_from": Path(resume.checkpoint).name})

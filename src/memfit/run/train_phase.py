@@ -1,0 +1,139 @@
+"""The training phase of a run: build model, collator and Trainer (shared with the preflight), train, and record
+the summary, or the forensics of an OOM."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from typing import Any
+
+from memfit.run.context import RunContext, TrainingSetup
+from memfit.run.identity import checkpoint_dir, run_name
+from memfit.run.report import OutOfMemoryInTraining, RunReport
+
+log = logging.getLogger("memfit")
+
+
+def prepare_training(ctx: RunContext) -> TrainingSetup:
+    """Model, collator, callback and Trainer: everything the preflight and training share."""
+    from memfit.data import CountingCollator, model_columns
+    from memfit.memory.policy import training_arguments
+    from memfit.models import build_model
+    from memfit.training import faults
+    from memfit.training.trainer import build_trainer, make_callback
+
+    cfg = ctx.cfg
+    built = build_model(cfg, ctx.tokenizer, ctx.device)
+    ctx.clock.lap("model")
+    ctx.tracker.log_params(
+        {
+            "memfit.random_weights": built.random_weights,
+            "memfit.total_params": built.total_params,
+            "memfit.trainable_params": built.trainable_params,
+        }
+    )
+    log.info(
+        "model %s: %.1fM params, %.2fM trainable%s",
+        cfg.model.name,
+        built.total_params / 1e6,
+        built.trainable_params / 1e6,
+        " (random weights)" if built.random_weights else "",
+    )
+    collator = CountingCollator(ctx.tokenizer, cfg.memory.pad_to_multiple_of, cfg.model.task)
+    callback = make_callback(ctx.meter, ctx.tracker, collator, cfg.trainer.max_train_tokens)
+    callbacks = [callback, *faults.callbacks_for(run_name(cfg))]
+    ready = {split: model_columns(ds) for split, ds in ctx.prepared.datasets.items()}
+    args = training_arguments(cfg, ctx.device, str(checkpoint_dir(cfg)), has_eval="validation" in ready)
+    trainer = build_trainer(cfg, built.model, ctx.tokenizer, ready, args, collator, callbacks)
+    ctx.clock.lap("trainer")
+    return TrainingSetup(built, collator, callback, trainer)
+
+
+def _record_oom(ctx: RunContext, setup: TrainingSetup, err: BaseException) -> str:
+    """OOM forensics: the step, the batch that caused it, the allocator's summary and (opt-in) a snapshot."""
+    import torch
+
+    step = setup.trainer.state.global_step + 1
+    shape = {k: list(v) for k, v in setup.collator.last_shape.items()}
+    reason = f"oom: at step {step}, batch {shape}"
+    report = [reason, "", str(err)]
+    if ctx.device == "cuda":
+        report += ["", torch.cuda.memory_summary()]
+        if ctx.cfg.forensics.memory_history:
+            with tempfile.TemporaryDirectory() as tmp:
+                snapshot = f"{tmp}/memory_snapshot.pickle"
+                torch.cuda.memory._dump_snapshot(snapshot)  # no public API yet (torch 2.13)
+                ctx.tracker.log_artifact(snapshot, "oom")
+    ctx.tracker.log_text("\n".join(report), "oom/report.txt")
+    return reason
+
+
+def _epoch_tokens_per_s(ctx: RunContext, setup: TrainingSetup) -> float | None:
+    """A whole epoch's tokens/s: the step-time model fitted to the segment's steps after the first (which builds the
+    optimizer state) applied to the epoch's batch plan (memfit.training.throughput). None with too few steps."""
+    from memfit.training.throughput import StepTimeModel, epoch_tokens_per_s, run_epoch_plan
+
+    model = StepTimeModel.fit(setup.callback.windows[1:])
+    if model is None:
+        return None
+    return epoch_tokens_per_s(model, run_epoch_plan(ctx.cfg, setup.trainer.train_dataset))
+
+
+def _optimizer_name(trainer: Any) -> str:
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate wraps the one Trainer built
+    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+
+
+def train(ctx: RunContext, setup: TrainingSetup) -> RunReport:
+    """Train with the run's Trainer; record the summary metrics and return them as the report."""
+    import torch
+
+    from memfit.training.trainer import train
+
+    if ctx.device == "cuda" and ctx.cfg.forensics.memory_history:
+        torch.cuda.memory._record_memory_history(max_entries=ctx.cfg.forensics.max_entries)  # no public API yet
+    try:
+        totals = train(setup.trainer, setup.collator, ctx.resume.checkpoint)
+    except torch.OutOfMemoryError as err:
+        raise OutOfMemoryInTraining(_record_oom(ctx, setup, err)) from err
+    ctx.tracker.set_tags({"memfit.optimizer": _optimizer_name(setup.trainer)})
+    overall = ctx.meter.overall
+    with_warmup = totals.tokens / totals.wall_s if totals.wall_s > 0 else 0.0
+    tokens_per_s = setup.callback.steady_tokens_per_s or with_warmup
+    retries = setup.callback.alloc_retries
+    epoch_rate = _epoch_tokens_per_s(ctx, setup)
+    summary = {
+        "summary/peak_allocated_gib": overall.allocated_gib,
+        "summary/peak_reserved_gib": overall.reserved_gib,
+        "summary/train_tokens": totals.tokens,
+        "summary/wall_s": totals.wall_s,
+        "summary/tokens_per_s": tokens_per_s,  # after the first step's warm-up
+        "summary/tokens_per_s_with_warmup": with_warmup,
+        "summary/alloc_retries": retries,
+    }
+    if retries:
+        log.warning(
+            "the CUDA allocator freed its cache %d times during training to stay under the cap: every step fitted, "
+            "but those steps waited for the device (tokens/s is lower than with headroom)",
+            retries,
+        )
+    optional = {
+        "summary/epoch_tokens_per_s": epoch_rate,
+        "summary/final_loss": totals.final_loss,
+        "summary/eval_loss": totals.eval_loss,
+    }
+    summary.update({key: value for key, value in optional.items() if value is not None})
+    ctx.tracker.log_metrics(summary, step=totals.steps)
+    return RunReport(
+        status="ok",
+        objective=tokens_per_s,
+        peak_allocated_gib=overall.allocated_gib,
+        peak_reserved_gib=overall.reserved_gib,
+        tokens_per_s=tokens_per_s,
+        epoch_tokens_per_s=epoch_rate,
+        final_loss=totals.final_loss,
+        eval_loss=totals.eval_loss,
+        train_tokens=totals.tokens,
+        steps=totals.steps,
+        alloc_retries=retries,
+    )

@@ -1,0 +1,228 @@
+"""The worst-case phase of a run: the memory model (cached or calibrated now), then the preflight's probes of the
+worst batches the data can produce, judged against the limit; or, with estimate_only, the model's prediction alone."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from memfit.config import GIB, limit_bytes
+from memfit.run.context import RunContext, TrainingSetup, WorstCase
+from memfit.run.report import RunReport
+
+log = logging.getLogger("memfit")
+
+
+def probe_setup(ctx: RunContext, setup: TrainingSetup) -> Any:
+    """How the preflight and the calibration probe: the run's model, its real optimizer, its collator."""
+    from memfit.memory.probe import ProbeSetup
+
+    cfg, trainer, built = ctx.cfg, setup.trainer, setup.built
+
+    def make_optimizer() -> Any:
+        trainer.optimizer = None
+        optimizer = trainer.create_optimizer()  # exactly the optimizer training will build
+        trainer.optimizer = None  # so that training builds its own, with fresh state
+        return optimizer
+
+    model_vocab = getattr(built.model.config, "vocab_size", None) or len(built.tokenizer)
+    return ProbeSetup(
+        model=built.model,
+        make_optimizer=make_optimizer,
+        collator=setup.collator.inner,
+        meter=ctx.meter,
+        device=ctx.device,
+        task=cfg.model.task,
+        precision=cfg.memory.precision,
+        vocab_size=min(model_vocab, len(built.tokenizer)),
+        steps=cfg.preflight.steps,
+        accumulation=cfg.trainer.gradient_accumulation_steps,
+        generate=cfg.trainer.predict_with_generate,
+    )
+
+
+def budget_and_limit(ctx: RunContext) -> tuple[int, int]:
+    """The budget in bytes and the limit a peak is judged against (budget minus margin)."""
+    cap, meter = ctx.cap, ctx.meter
+    budget = cap.budget_bytes or (cap.fraction or 1.0) * meter.total_bytes()
+    if ctx.device != "cuda":  # nothing caps host allocations: never probe past the memory the host has free
+        import psutil
+
+        budget = min(budget, psutil.virtual_memory().available + meter.current_bytes())
+    return int(budget), limit_bytes(budget, ctx.cfg.budget.margin_gib)
+
+
+def calibrate(ctx: RunContext, setup: TrainingSetup, probes: Any) -> Any:
+    """The memory model for this run (cached, or fitted now from a few probes), or None where it is not wanted."""
+    from memfit.memory.calibration import cached, calibrate, calibration_shapes, wanted
+    from memfit.memory.model import describe_architecture, model_state_bytes
+    from memfit.progress import progress_bar
+
+    cfg = ctx.cfg
+    if not wanted(cfg.calibration, ctx.device):
+        return None
+    calibration = cached(cfg, ctx.device)
+    if calibration is not None:
+        log.info("memory model: calibration %s reused from %s", calibration.key, cfg.calibration.cache_dir)
+    else:
+        model = setup.built.model
+        arch = describe_architecture(model, cfg.model.task)
+        count = len(calibration_shapes(arch, cfg.calibration.probe_tokens))
+        with progress_bar("memory model calibration", count) as show:
+            calibration = calibrate(
+                cfg,
+                probes,
+                arch,
+                model_state_bytes(model, cfg.memory.optimizer),
+                on_probe=lambda shape: show(advance=1, note=shape.describe(cfg.model.task)),
+            )
+    if calibration is not None:
+        ctx.tracker.log_params({"memfit.calibration": calibration.key})
+        ctx.tracker.log_metrics({"calibration/seconds": 0.0 if calibration.from_cache else calibration.seconds})
+    return calibration
+
+
+def calibration_path(cache_dir: str, calibration: Any) -> str | None:
+    """Where the calibration is cached: a sweeper reads it to predict its next trials."""
+    if calibration is None:
+        return None
+    return str(Path(cache_dir).resolve() / f"{calibration.key}.json")
+
+
+def _log_prediction(ctx: RunContext, calibration: Any, worst: Any) -> float | None:
+    """The memory model's prediction for the worst probe beside what it measured: every run checks the model."""
+    if calibration is None or worst.oom:
+        return None
+    predicted = calibration.estimate(worst.shape)
+    error = predicted.reserved / worst.peak.reserved - 1
+    ctx.tracker.log_metrics(
+        {
+            "preflight/predicted_allocated_gib": predicted.allocated / GIB,
+            "preflight/predicted_reserved_gib": predicted.reserved / GIB,
+            "preflight/prediction_error_reserved": error,
+        },
+        step=0,
+    )
+    log.info(
+        "memory model: predicted %.2f GiB reserved for the worst batch, measured %.2f GiB (%+.1f%%)",
+        predicted.reserved / GIB,
+        worst.peak.reserved / GIB,
+        100 * error,
+    )
+    return predicted.reserved / GIB
+
+
+def estimate(ctx: RunContext, setup: TrainingSetup) -> RunReport:
+    """estimate_only=true: the memory model's prediction for this config, printed and recorded; no training."""
+    from memfit.memory.estimate import estimate
+    from memfit.memory.model import describe_architecture, model_state_bytes
+
+    cfg, model = ctx.cfg, setup.built.model
+    budget, limit = budget_and_limit(ctx)
+    calibration = calibrate(ctx, setup, probe_setup(ctx, setup))
+    result = estimate(
+        cfg.model.task,
+        ctx.prepared.audit.worst_train,
+        model_state_bytes(model, cfg.memory.optimizer),
+        describe_architecture(model, cfg.model.task),
+        calibration,
+        budget,
+        limit,
+        cfg.preflight.max_batch_limit,
+    )
+    ctx.tracker.log_metrics(result.metrics(), step=0)
+    ctx.tracker.log_text(result.summary(), "estimate.txt")
+    print(result.summary())
+    return RunReport(
+        status="ok",
+        steps=0,
+        predicted_peak_gib=result.peak.reserved / GIB if result.peak else None,
+        limit_gib=limit / GIB,
+        max_batch=result.largest_batch,
+        calibration=calibration_path(cfg.calibration.cache_dir, calibration),
+    )
+
+
+def _probe_worst(ctx: RunContext, probes: Any) -> list[Any]:
+    """Each of the audit's worst training shapes (the first with the worst eval batch after it), with progress."""
+    from memfit.memory.probe import probe
+    from memfit.progress import progress_bar
+
+    audit, task = ctx.prepared.audit, ctx.cfg.model.task
+    eval_shape = audit.worst_eval if ctx.cfg.memory.eval_enabled else None
+    measured = []
+    with progress_bar("preflight", len(audit.worst_train)) as show:
+        for index, shape in enumerate(audit.worst_train):
+            show(note=f"train {shape.describe(task)}")
+            measured += probe(probes, shape, eval_shape if index == 0 else None)
+            show(advance=1)
+    return measured
+
+
+def _max_batch(ctx: RunContext, probes: Any, limit: int) -> int | None:
+    from memfit.memory.preflight import find_max_batch
+    from memfit.progress import progress_bar
+
+    worst_shape = max(ctx.prepared.audit.worst_train, key=lambda s: s.tokens)
+    with progress_bar("max batch search", None) as show:
+        largest = find_max_batch(
+            probes,
+            worst_shape,
+            limit,
+            ctx.cfg.preflight.max_batch_limit,
+            on_probe=lambda batch: show(advance=1, note=f"probing batch {batch}"),
+        )
+        show(note=f"largest fitting batch {largest}")
+    return largest
+
+
+def _ways_out(ctx: RunContext, setup: TrainingSetup, measured: list[Any], limit: int, calibration: Any) -> list[str]:
+    from memfit.memory.preflight import suggest
+
+    cfg, audit, prepared = ctx.cfg, ctx.prepared.audit, ctx.prepared
+    return suggest(
+        measured,
+        limit,
+        batch=cfg.trainer.batch_size,
+        accumulation=cfg.trainer.gradient_accumulation_steps,
+        task=cfg.model.task,
+        label_raw=prepared.label_raw,
+        max_label=audit.max_label_length,
+        memory=cfg.memory,
+        source_raw=prepared.source_raw,
+        max_source=audit.max_source_length,
+        trainable_params=setup.built.trainable_params,
+        lora_enabled=cfg.model.lora.enabled,
+        predict=(lambda shape: calibration.estimate(shape).reserved) if calibration else None,
+    )
+
+
+def run_preflight(ctx: RunContext, setup: TrainingSetup) -> WorstCase:
+    """Probe the audit's worst batches under the budget and judge them; the report says whether they fit and, where
+    they do not, the ways out. Logged and recorded either way."""
+    from memfit.memory.preflight import PreflightReport, fits
+
+    cfg = ctx.cfg
+    probes = probe_setup(ctx, setup)
+    budget, limit = budget_and_limit(ctx)
+    calibration = calibrate(ctx, setup, probes)
+    start = time.perf_counter()
+    measured = _probe_worst(ctx, probes)
+    passed = fits(measured, limit)
+    report = PreflightReport(passed, measured, limit, budget, ctx.meter.label, cfg.model.task)
+    train_probes = [p for p in measured if p.phase == "train"]
+    predicted = _log_prediction(ctx, calibration, max(train_probes, key=lambda p: (p.oom, p.judged_bytes)))
+    if passed and (cfg.preflight.find_max_batch or cfg.preflight_only):
+        report.max_batch = _max_batch(ctx, probes, limit)
+    if not passed:
+        report.suggestions = _ways_out(ctx, setup, measured, limit, calibration)
+    report.seconds = time.perf_counter() - start
+    ctx.tracker.log_metrics(report.metrics(), step=0)
+    ctx.tracker.log_text(report.summary(), "preflight.txt")
+    if passed:
+        log.info("\n%s", report.summary())
+    else:
+        log.error("preflight: the worst batch does not fit the budget; the run stops before step 1")
+    return WorstCase(report, calibration, predicted)

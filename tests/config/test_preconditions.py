@@ -1,0 +1,105 @@
+"""What the config alone cannot tell, checked before any weights load or anything is recorded: one line each."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from memfit.config import ConfigError
+from memfit.preconditions import (
+    check_before_run,
+    check_budget,
+    check_lora_targets,
+    check_output_dir,
+    check_tracking_server,
+)
+from tests.conftest import FAST, run_train_py
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]  # nothing listens once the socket is closed
+
+
+def test_an_output_dir_that_cannot_be_written_is_named(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    (line,) = check_output_dir(str(blocker / "outputs"), 0.0)
+    assert line.startswith(f"output_dir={blocker / 'outputs'} is not writable") and "choose a writable" in line
+    assert check_output_dir(str(tmp_path / "fine"), 0.0) == []
+
+
+def test_too_little_free_disk_is_named(tmp_path):
+    (line,) = check_output_dir(str(tmp_path), min_free_gib=1e9)  # more than any disk has free
+    assert "GiB free, less than min_free_disk_gib=1e+09" in line
+
+
+def test_an_unreachable_tracking_server_is_named_before_training(compose_cfg):
+    cfg = compose_cfg(f"tracking.uri=http://user:secret@127.0.0.1:{_closed_port()}")
+    (line,) = check_tracking_server(cfg)
+    assert "does not answer" in line and "tracking=none" in line
+    assert "secret" not in line  # credentials are masked in every message
+
+
+def test_a_lora_target_the_model_lacks_is_named_with_the_ones_it_has(compose_cfg):
+    cfg = compose_cfg("model=tiny_causal", "model.lora.target_modules=[q_proj,qkv_fused]")
+    (line,) = check_lora_targets(cfg)
+    assert line.startswith("model.lora.target_modules has qkv_fused, which tiny_causal does not have")
+    assert "q_proj" in line.split("its linear layers are")[1]
+    assert check_lora_targets(compose_cfg("model=tiny_causal")) == []
+
+
+def test_a_budget_larger_than_the_device_is_named(compose_cfg):
+    (line,) = check_budget(compose_cfg("budget.gib=4096"), "cpu", 24 * 1024**3)
+    assert line == (
+        "budget.gib=4096 is larger than this machine's host 24.0 GiB: use budget.gib<=24 (or null for the whole device)"
+    )
+    assert check_budget(compose_cfg("budget.gib=8"), "cpu", 24 * 1024**3) == []
+
+
+def test_all_problems_at_once(compose_cfg, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    cfg = compose_cfg(
+        "model=tiny_causal",
+        "model.lora.target_modules=[nope]",
+        f"tracking.uri=http://127.0.0.1:{_closed_port()}",
+        f"output_dir={blocker}/out",
+    )
+    with pytest.raises(ConfigError) as err:
+        check_before_run(cfg)
+    assert len(err.value.problems) == 3
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (b"", "is empty"),
+        (b'{"source": "caf\xe9", "target": "x"}\n', "is not UTF-8 text"),
+    ],
+)
+def test_empty_and_non_utf8_files_are_named(tmp_path, content, expected):
+    path = tmp_path / "my.jsonl"
+    path.write_bytes(content)
+    out = run_train_py("data=jsonl", f"data.path={path}", f"output_dir={tmp_path / 'out'}", *FAST, timeout=120)
+    assert out.returncode == 2 and f"memfit: error: data.path={path} {expected}" in out.stderr
+    assert "Traceback" not in out.stderr and not (tmp_path / "out" / "mlflow.db").exists()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["output_dir={blocked}/outputs"], "memfit: error: output_dir={blocked}/outputs is not writable"),
+        (["model=tiny_causal", "budget.gib=100000"], "memfit: error: budget.gib=100000 is larger than"),
+    ],
+)
+def test_train_py_stops_with_one_line_before_anything_is_recorded(tmp_path, overrides, expected):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("x")
+    args = [o.format(blocked=blocked) for o in overrides]
+    out = run_train_py(*FAST, f"output_dir={tmp_path / 'out'}", *args, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert expected.format(blocked=blocked) in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "out" / "mlflow.db").exists()

@@ -1,0 +1,130 @@
+"""Every shipped option composes and validates; bad values give one line naming the field and the fix."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from memfit.config import ConfigError, effective_lengths, validate
+from tests.conftest import CONF, run_train_py, write_jsonl
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def _data_overrides(option: str, tmp_path) -> list[str]:
+    if option == "hub":
+        return ["data.hub_id=org/name"]
+    if option in ("jsonl", "csv", "parquet"):
+        rows = [{"source": "a b c", "target": "d e"}] * 3
+        if option == "jsonl":
+            path = write_jsonl(tmp_path / "d.jsonl", rows)
+        elif option == "csv":
+            path = tmp_path / "d.csv"
+            path.write_text("source,target\n" + "a b c,d e\n" * 3)
+        else:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            path = tmp_path / "d.parquet"
+            pq.write_table(pa.Table.from_pylist(rows), path)
+        return [f"data.path={path}"]
+    return []
+
+
+@pytest.mark.parametrize("group", ["model", "data", "memory", "trainer", "tracking"])
+def test_every_shipped_option_composes_and_validates(compose_cfg, tmp_path, group):
+    options = _options(group)
+    assert options, f"conf/{group} is empty"
+    for option in options:
+        extra = _data_overrides(option, tmp_path) if group == "data" else []
+        if group == "memory" and option == "qlora":
+            extra.append("model=qwen2_5_0_5b")  # 4-bit base weights train through LoRA
+        cfg = compose_cfg(f"{group}={option}", *extra)
+        assert cfg[group].get("name", option) == option or group in ("trainer", "tracking")
+        validate(cfg, cuda_available=True)  # the config itself is sound; device needs are tested below
+
+
+def test_every_memory_knob_is_commented_with_its_trade_off():
+    for path in (CONF / "memory").glob("*.yaml"):
+        for line in path.read_text().splitlines():
+            if line and not line.startswith("#") and ":" in line and not line.startswith("name:"):
+                assert "#" in line, f"{path.name}: knob without a trade-off comment: {line}"
+
+
+def test_cfg_job_shows_the_policy_knobs():
+    out = run_train_py("--cfg", "job", "memory=tight", timeout=120)
+    assert out.returncode == 0, out.stderr
+    shown = OmegaConf.create(out.stdout)
+    assert shown.memory.name == "tight"
+    assert shown.memory.gradient_checkpointing is True
+    assert shown.memory.max_label_length == 64
+
+
+def test_null_lengths_resolve_to_the_model_limit(compose_cfg):
+    cfg = compose_cfg("memory=off")
+    assert effective_lengths(cfg) == (512, 512)
+    cfg = compose_cfg("memory=off", "model=tiny_causal")
+    assert effective_lengths(cfg) == (1024, 1024)
+
+
+BAD = [
+    (["memory.max_label_length=0"], "memory.max_label_length=0 must be > 0"),
+    (["memory.max_source_length=-5"], "memory.max_source_length=-5 must be > 0"),
+    (["memory.max_source_length=4096"], "memory.max_source_length=4096 exceeds minilm_bert2bert's 512 positions"),
+    (["trainer.batch_size=0"], "trainer.batch_size=0 must be > 0"),
+    (["budget.gib=0"], "budget.gib=0 must be > 0"),
+    (["budget.gib=-3"], "budget.gib=-3 must be > 0"),
+    (["data=jsonl", "data.path=/nonexistent/my.jsonl"], "data.path=/nonexistent/my.jsonl: no such file"),
+    (["memory.optimizer=lion"], "memory.optimizer='lion' is not one of"),
+    (["memory.overlength=clip"], "memory.overlength='clip' is not one of"),
+    (["memory.packing=true"], "memory.packing=true is not supported"),
+    (
+        ["model=tiny_causal", "memory.load_in_4bit=true", "trainer.device=cpu"],
+        "memory.load_in_4bit=true needs a CUDA GPU",
+    ),
+    (["memory.optimizer=adamw_8bit", "trainer.device=cpu"], "memory.optimizer=adamw_8bit needs a CUDA GPU"),
+    (["trainer.max_steps=0"], "trainer.max_steps/num_train_epochs give no training"),
+    (["data.targets=[summary]"], "data.targets has 'summary'"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "expected"), BAD)
+def test_bad_values_name_the_field(compose_cfg, overrides, expected):
+    cfg = compose_cfg(*overrides)
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, cuda_available=False)
+    assert any(expected in line for line in err.value.problems), err.value.problems
+
+
+def test_every_problem_is_reported_at_once(compose_cfg):
+    cfg = compose_cfg("trainer.batch_size=0", "budget.gib=0", "memory.max_label_length=0")
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, cuda_available=False)
+    assert len(err.value.problems) == 3
+
+
+def test_missing_column_is_named(compose_cfg, tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "a", "summary": "b"}])
+    cfg = compose_cfg("data=jsonl", f"data.path={path}")
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, cuda_available=False)
+    assert "data.source_column='source' is not a column" in str(err.value)
+    assert "data.target_column='target' is not a column" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["trainer.batch_size=0"], "memfit: error: trainer.batch_size=0 must be > 0"),
+        (["memory=nonexistent"], "Could not find 'memory/nonexistent'"),
+        (["memory.no_such_knob=1"], "no_such_knob"),
+    ],
+)
+def test_train_py_exits_nonzero_with_a_clear_line(tmp_path, overrides, expected):
+    out = run_train_py(f"output_dir={tmp_path}", *overrides, timeout=120)
+    assert out.returncode != 0
+    assert expected in out.stderr
+    assert "Traceback" not in out.stderr
+    assert not (tmp_path / "mlflow.db").exists()  # nothing recorded for bad input

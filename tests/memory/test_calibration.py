@@ -1,0 +1,370 @@
+"""Calibration of the memory model: real probes on a tiny model (host memory on CPU), the cache and its key."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from memfit.data.audit import BatchShape
+from memfit.memory.calibration import (
+    Calibration,
+    cached,
+    calibrate,
+    calibration_key,
+    calibration_shapes,
+    identity,
+    probe_plan,
+    wanted,
+)
+from memfit.memory.model import COUNTED_TERMS, WINDOW_TERMS, Architecture, describe_architecture, model_state_bytes
+from memfit.memory.probe import _BranchMarker, probe
+from tests.conftest import FAST
+from tests.memory.test_preflight import _setup
+
+TINY = ("model=tiny_seq2seq", *FAST, "tracking=none", "calibration.enabled=true", "calibration.probe_tokens=512")
+
+
+def _calibrate(cfg, probed: list | None = None):
+    setup, _ = _setup(cfg)
+    arch = describe_architecture(setup.model, cfg.model.task)
+    state = model_state_bytes(setup.model, "adamw")
+    return calibrate(cfg, setup, arch, state, on_probe=(probed.append if probed is not None else None))
+
+
+def test_calibration_probes_once_then_comes_from_the_cache(compose_cfg, tmp_path):
+    cfg = compose_cfg(*TINY, f"calibration.cache_dir={tmp_path}/cal")
+    probed: list = []
+    first = _calibrate(cfg, probed)
+    arch = first.architecture
+    assert probed == calibration_shapes(arch, 512, cfg.memory.pad_to_multiple_of) and not first.from_cache
+    assert len(first.probes) == 4 and all(p["allocated"] > 0 and p["step_allocated"] > 0 for p in first.probes)
+    assert first.fit.reserved_ratio > 0 and first.fit.step_allocated == max(p["step_allocated"] for p in first.probes)
+    files = list((tmp_path / "cal").glob("*.json"))
+    assert [f.stem for f in files] == [first.key]
+
+    again: list = []
+    second = _calibrate(cfg, again)
+    assert again == [] and second.from_cache and second.fit == first.fit  # no probe ran
+    assert cached(cfg, "cpu").key == first.key
+    shape = probed[-1]
+    assert second.estimate(shape) == first.estimate(shape)
+
+
+def test_a_damaged_cache_file_is_fitted_again(compose_cfg, tmp_path):
+    cfg = compose_cfg(*TINY, f"calibration.cache_dir={tmp_path}/cal")
+    first = _calibrate(cfg)
+    (tmp_path / "cal" / f"{first.key}.json").write_text("{not json")
+    probed: list = []
+    assert not _calibrate(cfg, probed).from_cache and len(probed) == 4
+    assert Calibration.from_json((tmp_path / "cal" / f"{first.key}.json").read_text()).key == first.key
+
+
+def test_a_calibration_under_way_in_another_process_is_not_repeated_and_a_dead_ones_lock_is_taken_over(
+    compose_cfg, tmp_path, caplog
+):
+    """Two trials of a multi-GPU sweep start together: one calibrates, the other goes on without a prediction."""
+    import subprocess
+    import sys
+
+    cfg = compose_cfg(*TINY, f"calibration.cache_dir={tmp_path}/cal")
+    key = calibration_key(identity(cfg, "cpu", 512))
+    lock = tmp_path / "cal" / f"{key}.lock"
+    lock.parent.mkdir()
+    holder = (
+        "import sys, time; from filelock import FileLock; lock = FileLock(sys.argv[1]); lock.acquire();"
+        " print('held', flush=True); time.sleep(60)"
+    )
+    other = subprocess.Popen([sys.executable, "-c", holder, str(lock)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "held"
+        probed: list = []
+        with caplog.at_level("INFO", logger="memfit.memory.calibration"):
+            assert _calibrate(cfg, probed) is None and probed == []
+        assert "another process is calibrating" in caplog.text
+    finally:
+        other.kill()
+        other.wait()
+    probed = []
+    fitted = _calibrate(cfg, probed)  # the holder died: the OS released its lock
+    assert fitted is not None and fitted.key == key and len(probed) == 4
+
+
+def test_the_key_changes_with_model_policy_device_and_versions(compose_cfg, monkeypatch):
+    base = compose_cfg(*TINY)
+    key = calibration_key(identity(base, "cpu", 512))
+    changed = {
+        "policy": compose_cfg(*TINY, "memory.gradient_checkpointing=true"),
+        "optimizer": compose_cfg(*TINY, "memory.optimizer=adafactor"),
+        "model": compose_cfg(*TINY, "model.architecture.d_model=64"),
+        "accumulation": compose_cfg(*TINY, "trainer.gradient_accumulation_steps=4"),
+    }
+    for what, cfg in changed.items():
+        assert calibration_key(identity(cfg, "cpu", 512)) != key, what
+    assert calibration_key(identity(base, "NVIDIA H200", 512)) != key
+    # what a calibration predicts over does not change it: batch size, lengths, the budget
+    same = compose_cfg(*TINY, "trainer.batch_size=16", "memory.max_label_length=256", "budget.gib=8")
+    assert calibration_key(identity(same, "cpu", 512)) == key
+    import memfit.memory.calibration as calibration
+
+    monkeypatch.setattr(calibration, "library_versions", lambda cfg: {"torch": "9.9", "transformers": "9.9"})
+    assert calibration_key(identity(base, "cpu", 512)) != key
+
+
+@pytest.mark.parametrize("task", ["causal", "seq2seq"])
+def test_eager_attention_under_checkpointing_is_not_calibrated(compose_cfg, tmp_path, caplog, task):
+    cfg = compose_cfg(*TINY, "memory.gradient_checkpointing=true", f"calibration.cache_dir={tmp_path}")
+    eager = Architecture(task, 100, 0 if task == "causal" else 2, 2, 2, quadratic_attention=True)
+    setup = SimpleNamespace(device="cpu")  # nothing is probed
+    assert calibrate(cfg, setup, eager, None) is None
+    assert "models for T5 only" in caplog.text and not list(tmp_path.glob("*.json"))
+
+
+TINY_T5 = (
+    "model=t5_base",
+    *(f"model.architecture.{k}={v}" for k, v in dict(d_model=32, d_kv=8, d_ff=64, num_heads=2).items()),
+    "model.architecture.num_layers=2",
+    "model.architecture.num_decoder_layers=2",
+    *TINY[1:],
+)
+
+
+def test_t5_under_checkpointing_is_calibrated_window_by_window(compose_cfg, tmp_path):
+    """Each probe measures six windows of the step apart (hooks on the stacks' outputs and their gradients); each
+    window is fitted alone, the position bias counted; the cached file gives back the same model."""
+    cfg = compose_cfg(*TINY_T5, "memory.gradient_checkpointing=true", f"calibration.cache_dir={tmp_path}/cal")
+    probed: list = []
+    fitted = _calibrate(cfg, probed)
+    arch = fitted.architecture
+    assert arch.relative_position_bias and probed == calibration_shapes(arch, 512, 8, 4, branches=True)
+    for p in fitted.probes:
+        windows = [p[f"{window}_allocated"] for window in _BranchMarker.WINDOWS]
+        assert min(windows) > 0 and max(windows) == p["allocated"]  # six windows cover the step
+        assert max(p[f"{window}_reserved"] for window in _BranchMarker.WINDOWS) == p["reserved"]
+    assert list(fitted.fit.windows) == list(WINDOW_TERMS) == list(_BranchMarker.WINDOWS)
+    for window in fitted.fit.windows.values():
+        assert window.coefficients["position_biases"] == COUNTED_TERMS["position_biases"] == 1.0
+    assert "decoder_scores" in fitted.fit.windows["decoder_backward"].coefficients
+    assert "decoder_tokens" not in fitted.fit.windows["encoder_backward"].coefficients
+    again = Calibration.from_json((tmp_path / "cal" / f"{fitted.key}.json").read_text())
+    assert again.fit == fitted.fit
+    shape = probed[-1]
+    assert again.estimate(shape) == fitted.estimate(shape)
+    phases = {window.replace("_", " ") for window in WINDOW_TERMS} | {"optimizer step"}
+    assert fitted.estimate(shape).phase in phases
+
+
+def test_when_to_calibrate_and_how_large_the_probes_are(compose_cfg):
+    assert not wanted(compose_cfg("calibration.enabled=auto").calibration, "cpu")
+    assert wanted(compose_cfg("calibration.enabled=auto").calibration, "cuda")
+    assert wanted(compose_cfg("calibration.enabled=true").calibration, "cpu")
+    assert not wanted(compose_cfg("calibration.enabled=false").calibration, "cuda")
+    # checkpointed activations are small: four times the batch, halved before the lengths when a probe does not fit
+    assert probe_plan(compose_cfg("memory.gradient_checkpointing=true"), None) == [
+        (4096, 4),
+        (4096, 2),
+        (4096, 1),
+        (2048, 1),
+    ]
+    assert probe_plan(compose_cfg("calibration.probe_tokens=1024"), None) == [(1024, 1), (512, 1), (256, 1)]
+    arch = Architecture("seq2seq", 100, 2, 2, 2, quadratic_attention=False)
+    shapes = calibration_shapes(arch, 8192, multiple=8, batch_scale=2, max_positions=512)
+    assert max(max(s.source, s.label) for s in shapes) <= 512 and min(s.batch for s in shapes) == 8
+
+
+def test_estimate_only_predicts_without_training(compose_cfg, tmp_path, capsys):
+    from memfit.run import run
+
+    cfg = compose_cfg(*TINY, "estimate_only=true", f"output_dir={tmp_path}")
+    report = run(cfg)
+    shown = capsys.readouterr().out
+    assert report.status == "ok" and report.steps == 0 and report.predicted_peak_gib > 0
+    assert "estimate (memory model" in shown and "fitted from 4 probes" in shown and "breakdown: weights" in shown
+    calibration = Calibration.from_json(Path(report.calibration).read_text())
+    assert f"largest batch predicted to fit at source 64 × labels 32: {report.max_batch}" in shown
+    limit = int(report.limit_gib * 1024**3)
+    assert report.max_batch == calibration.largest_batch(64, 32, limit, cfg.preflight.max_batch_limit)
+    again = run(cfg)  # a second run reuses the calibration
+    assert "reused from its cache" in capsys.readouterr().out and again.calibration == report.calibration
+
+    analytic = run(compose_cfg(*TINY, "estimate_only=true", "calibration.enabled=false", f"output_dir={tmp_path}"))
+    shown = capsys.readouterr().out
+    assert analytic.predicted_peak_gib is None and analytic.calibration is None
+    assert "analytic part only" in shown and "activations not estimated" in shown
+    assert json.loads(json.dumps(analytic.to_dict()))["status"] == "ok"
+
+
+def test_bad_calibration_settings_are_one_line_each(compose_cfg):
+    from memfit.config import ConfigError, validate
+
+    with pytest.raises(ConfigError) as err:
+        validate(
+            compose_cfg(
+                "calibration.enabled=sometimes",
+                "calibration.probe_tokens=0",
+                "estimate_only=true",
+                "preflight_only=true",
+            )
+        )
+    text = str(err.value)
+    assert "calibration.enabled=sometimes" in text and "calibration.probe_tokens" in text
+    assert "estimate_only=true and preflight_only=true" in text
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    """A tiny model's config and the calibration file a sweep's first trial reports (made once for the module)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from memfit.config import register_configs
+    from tests.conftest import CONF
+
+    tmp = tmp_path_factory.mktemp("calibrated")
+    # host RSS is coarse: probes of 2048 tokens make the per-token growth stand out of the allocator's noise
+    settings = [o for o in TINY if not o.startswith("calibration.probe_tokens")]
+    overrides = [f"output_dir={tmp / 'outputs'}", *settings, "calibration.probe_tokens=2048"]
+    overrides += ["data.max_train_samples=48", f"calibration.cache_dir={tmp / 'cal'}"]
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    GlobalHydra.instance().clear()
+    calibration = _calibrate(cfg)  # what the sweep's first trial does in its own process
+    return cfg, str(tmp / "cal" / f"{calibration.key}.json")
+
+
+def test_the_sweeper_tells_a_configuration_predicted_far_over_budget_without_running_it(calibrated):
+    import optuna
+
+    from memfit.sweep import BudgetSweep
+    from memfit.sweep.predict import MemoryPredictor
+    from memfit.sweep.screen import data_lengths
+    from memfit.sweep.trials import TrialResult
+
+    cfg, path = calibrated
+    space = {
+        "trainer.batch_size": optuna.distributions.CategoricalDistribution([2, 512]),
+        "memory.gradient_checkpointing": optuna.distributions.CategoricalDistribution([False, True]),
+    }
+    predictor = MemoryPredictor(data_lengths(space, cfg), cfg, margin=0.1, effective_batch=None)
+    sweep = BudgetSweep(coverage_floor=0.0, predict_margin=0.1)
+    sweep.objectives, sweep.config, sweep.predictor = ["throughput"], cfg, predictor
+    study = optuna.create_study(direction="maximize")
+
+    def ask(batch: int, checkpointing: bool = False):
+        study.enqueue_trial({"trainer.batch_size": batch, "memory.gradient_checkpointing": checkpointing})
+        return study.ask(space)
+
+    first = ask(2)
+    assert not sweep._told_without_running(study, first, None)  # nothing calibrated yet: it runs
+    small = predictor.signature(first.params)
+    report = {"status": "ok", "tokens_per_s": 100.0, "worst_case_peak_gib": 1.0, "limit_gib": 1.5, "calibration": path}
+    sweep.budget_gib = 2.0
+    sweep._tell(study, first, TrialResult(report, None, 3.0), None)
+    assert predictor.calibrations[small][1] == first.number
+
+    big_gib = predictor.predicted_gib({"trainer.batch_size": 512, "memory.gradient_checkpointing": False})[0]
+    small_gib = predictor.predicted_gib(first.params)[0]
+    assert big_gib > small_gib  # 256 times the rows, on top of the process itself
+    sweep.budget_gib = big_gib / 1.5  # the big one is over budget by more than the 10% margin
+    big = ask(512)
+    assert sweep._told_without_running(study, big, None)
+    told = study.trials[big.number]
+    assert told.user_attrs["status"] == "predicted_infeasible" and told.user_attrs["predicted"] is True
+    assert told.user_attrs["not_run"] and told.user_attrs["gpu_seconds"] == 0.0
+    assert told.user_attrs["calibration_from"] == first.number and "safety margin" in told.user_attrs["reason"]
+    limit = sweep.budget_gib - cfg.budget.margin_gib
+    assert told.constraints["memory_gib"] == pytest.approx(big_gib - limit) and told.constraints["memory_gib"] > 0
+
+    # over budget, but within the margin: left to the measurement
+    assert predictor.over_budget(big.params, big_gib / 1.05) is None
+    # another policy (checkpointing) has no calibration of its own: it runs
+    assert not sweep._told_without_running(study, ask(512, checkpointing=True), None)
+
+
+def test_once_calibrated_the_fullest_predicted_fit_is_tried_next_for_a_throughput_objective(calibrated):
+    """Tokens/s grows with the work a step does, which is what fills memory: the configuration predicted to fill the
+    most of the limit without passing it is queued for the next ask, fill_budget times per study; a preflight that
+    finds it over makes the next fullest the next one. Not while a part of the space has no calibration yet."""
+    import optuna
+
+    from memfit.sweep import BudgetSweep
+    from memfit.sweep.predict import MemoryPredictor
+    from memfit.sweep.screen import data_lengths
+    from memfit.sweep.trials import TrialResult
+
+    cfg, path = calibrated
+    batches = [1, 2, 8, 32, 128, 512]
+    space = {
+        "trainer.batch_size": optuna.distributions.CategoricalDistribution(batches),
+        "memory.gradient_checkpointing": optuna.distributions.CategoricalDistribution([False, True]),
+    }
+    predictor = MemoryPredictor(data_lengths(space, cfg), cfg, margin=0.1, effective_batch=None)
+    sweep = BudgetSweep(coverage_floor=0.0, predict_margin=0.1, fill_budget=2)
+    sweep.objectives, sweep.config, sweep.predictor, sweep.budget_gib = ["throughput"], cfg, predictor, 100.0
+    study = optuna.create_study(direction="maximize")
+    assert not sweep._queue_fullest_fit(study, space)  # nothing calibrated yet: the sampler proposes
+
+    def run(params: dict, status: str, peak: float, calibration: str | None = None):
+        study.enqueue_trial(params)
+        trial = study.ask(space)
+        report = {"status": status, "tokens_per_s": 10.0, "worst_case_peak_gib": peak, "limit_gib": 1.5}
+        sweep._tell(study, trial, TrialResult({**report, "calibration": calibration}, None, 3.0), None)
+
+    run({"trainer.batch_size": 1, "memory.gradient_checkpointing": False}, "ok", 1.0, calibration=path)
+    gib = {
+        b: predictor.predicted_gib({"trainer.batch_size": b, "memory.gradient_checkpointing": False})[0]
+        for b in batches
+    }
+    assert [gib[b] for b in batches] == sorted(gib.values()) and gib[128] < gib[512]
+    # a limit between batch 128's prediction and batch 512's
+    sweep.budget_gib = (gib[128] + gib[512]) / 2 + cfg.budget.margin_gib
+    limit = sweep._limit_gib()
+    # checkpointing has no calibration of its own yet, and may hold a fuller fit: no fill
+    assert not sweep._queue_fullest_fit(study, space)
+    # once its outcome is known (batch 1 did not fit, so no larger batch does), the fill goes ahead
+    run({"trainer.batch_size": 1, "memory.gradient_checkpointing": True}, "preflight_failed", limit + 1)
+
+    def fill_then_tell(status: str) -> int:
+        assert sweep._queue_fullest_fit(study, space)
+        trial = study.ask(space)
+        assert trial.user_attrs["fills_budget"] is True and not trial.params["memory.gradient_checkpointing"]
+        peak = limit + (0.5 if status == "preflight_failed" else -0.5)
+        report = {"status": status, "tokens_per_s": 50.0, "worst_case_peak_gib": peak, "limit_gib": limit}
+        sweep._tell(study, trial, TrialResult(report, None, 3.0), None)
+        return trial.params["trainer.batch_size"]
+
+    assert fill_then_tell("preflight_failed") == 128  # the prediction was low: measured over the limit
+    assert fill_then_tell("ok") == 32  # the next fullest; 128 is measured, 512 dominated and predicted over
+    assert not sweep._queue_fullest_fit(study, space)  # fill_budget=2 spent: the sampler proposes from here
+    assert not study.trials[0].user_attrs.get("fills_budget")
+
+    # a loss objective (or a Pareto front) is not maximised by filling memory: never queued
+    sweep.settings.fill_budget = 3
+    sweep.objectives = ["loss"]
+    assert not sweep._queue_fullest_fit(study, space)
+    sweep.objectives = ["throughput"]
+    assert sweep._queue_fullest_fit(study, space)
+    # the fullest of those not tried yet (on CPU the smallest batches can predict the same: the process dominates)
+    assert gib[study.ask(space).params["trainer.batch_size"]] == max(gib[b] for b in (2, 8))
+
+
+def test_a_frozen_encoder_leaves_t5_under_checkpointing_uncalibrated(compose_cfg, tmp_path, caplog):
+    """With no gradient reaching the encoder's output the probe cannot tell the decoder's backward from the
+    encoder's: the windows are not reported and the model says why, rather than fitting a wrong split. (memfit's
+    own checkpointed builds make the embeddings' output require grad, so a gradient reaches the encoder's output
+    even when its weights are frozen; the model here is built without that hook.)"""
+    cfg = compose_cfg(*TINY_T5, f"calibration.cache_dir={tmp_path}")
+    setup, _ = _setup(cfg)
+    for param in [*setup.model.get_encoder().parameters(), setup.model.get_input_embeddings().weight]:
+        param.requires_grad_(False)
+    windows = probe(replace(setup, split_branches=True), BatchShape(2, 32, 16))[0].branch_peaks
+    assert windows is None
+    arch = describe_architecture(setup.model, cfg.model.task)
+    checkpointed = compose_cfg(*TINY_T5, "memory.gradient_checkpointing=true", f"calibration.cache_dir={tmp_path}")
+    assert calibrate(checkpointed, setup, arch, model_state_bytes(setup.model, "adamw")) is None
+    assert "no gradient reached the encoder's output" in caplog.text and not list(tmp_path.glob("*.json"))

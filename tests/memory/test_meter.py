@@ -1,0 +1,33 @@
+"""The host meter sees a real allocation in its window and forgets it after a reset."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from memfit.config import GIB
+from memfit.memory.meter import HostMeter, MemoryPeak
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="window resets use /proc/self/clear_refs")
+def test_host_meter_window_tracks_and_resets():
+    import numpy as np
+
+    meter = HostMeter()
+    meter.reset_window()
+    before = meter.window_peak()
+    block = np.ones(300 * 1024**2 // 8)  # 300 MiB, touched
+    during = meter.window_peak()
+    assert during.allocated - before.allocated > 250 * 1024**2
+    del block
+    meter.reset_window()
+    after = meter.window_peak()
+    assert after.allocated < during.allocated - 250 * 1024**2  # the window forgot the freed block
+    assert meter.overall.allocated >= during.allocated  # the overall peak did not
+
+
+def test_peak_arithmetic():
+    a, b = MemoryPeak(2 * GIB, 3 * GIB), MemoryPeak(4 * GIB, 1 * GIB)
+    assert a.max(b) == MemoryPeak(4 * GIB, 3 * GIB)
+    assert a.allocated_gib == 2.0

@@ -1,0 +1,63 @@
+"""memfit.memory.policy: the process-wide settings a run makes before CUDA starts."""
+
+import os
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+import memfit.memory.policy as policy
+from memfit.memory.policy import apply_attention_kernels, pin_one_gpu
+
+
+@pytest.mark.parametrize(
+    ("visible", "launcher", "expected", "after"),
+    [
+        (None, None, "0", "0"),  # every GPU visible: the first
+        ("2,3", None, "2", "2"),  # the first of those the user allowed
+        (" 1 , 0", None, "1", "1"),
+        ("3", None, None, "3"),  # already one: left alone
+        ("", None, None, ""),  # none (a CPU run): left alone
+        ("0,1", "2", None, "0,1"),  # torchrun / accelerate: one device per process already
+    ],
+)
+def test_a_plain_run_keeps_one_gpu(monkeypatch, visible, launcher, expected, after):
+    for name in ("CUDA_VISIBLE_DEVICES", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    if visible is not None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    if launcher is not None:
+        monkeypatch.setenv("WORLD_SIZE", launcher)
+    assert pin_one_gpu() == expected
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == after
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_cudnn_attention_follows_the_policy_on_cuda_only(enabled):
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(not enabled)
+        apply_attention_kernels(OmegaConf.create({"cudnn_attention": enabled}), "cpu")
+        assert torch.backends.cuda.cudnn_sdp_enabled() is (not enabled)  # a CPU run changes nothing
+        apply_attention_kernels(OmegaConf.create({"cudnn_attention": enabled}), "cuda")
+        assert torch.backends.cuda.cudnn_sdp_enabled() is enabled
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_bf16_falls_back_to_fp32_only_on_a_cpu_without_fast_bf16(monkeypatch, fast):
+    monkeypatch.setattr(policy, "cpu_runs_bf16_fast", lambda: fast)
+    memory = OmegaConf.create({"precision": "bf16", "weights_dtype": "bf16"})
+    changed = policy.fall_back_to_fp32_on_slow_cpu(memory, "cpu")
+    assert changed == ([] if fast else ["precision", "weights_dtype"])
+    assert memory.precision == ("bf16" if fast else "fp32") and memory.weights_dtype == memory.precision
+    on_gpu = OmegaConf.create({"precision": "bf16", "weights_dtype": "fp32"})
+    assert policy.fall_back_to_fp32_on_slow_cpu(on_gpu, "cuda") == [] and on_gpu.precision == "bf16"
+
+
+def test_this_cpus_bf16_answer_matches_its_instruction_set():
+    capability = torch.backends.cpu.get_cpu_capability()
+    assert isinstance(policy.cpu_runs_bf16_fast(), bool)
+    if capability in ("AVX2", "DEFAULT"):
+        assert not policy.cpu_runs_bf16_fast()  # no AVX-512: torch multiplies bf16 in a plain loop here

@@ -1,0 +1,216 @@
+"""The worst-case preflight probes the audit's shape, leaves weights untouched, and stops a run that cannot fit."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from memfit.data import CountingCollator
+from memfit.data.audit import BatchShape, padded
+from memfit.memory.meter import HostMeter
+from memfit.memory.probe import ProbeSetup, make_batch, probe
+from memfit.models import build_model, build_tokenizer
+from memfit.run import run
+from memfit.tracking import default_tracking_uri
+from tests.conftest import FAST, run_train_py
+
+
+def _setup(cfg):
+    tokenizer = build_tokenizer(cfg.model)
+    built = build_model(cfg, tokenizer, "cpu")
+    optimizers = []
+
+    def make_optimizer():
+        optimizers.append(torch.optim.AdamW([p for p in built.model.parameters() if p.requires_grad], lr=1e-3))
+        return optimizers[-1]
+
+    collator = CountingCollator(tokenizer, 8, cfg.model.task)
+    setup = ProbeSetup(
+        built.model, make_optimizer, collator.inner, HostMeter(), "cpu", cfg.model.task, "fp32", len(tokenizer)
+    )
+    return setup, optimizers
+
+
+def test_probe_batch_has_exactly_the_shape(compose_cfg):
+    setup, _ = _setup(compose_cfg("model=tiny_seq2seq"))
+    batch = make_batch(BatchShape(3, 40, 24), setup.collator, "seq2seq", setup.vocab_size, "cpu")
+    assert tuple(batch["input_ids"].shape) == (3, 40) and tuple(batch["labels"].shape) == (3, 24)
+    assert (batch["labels"] != -100).all()  # every label position is a real target: the worst case
+
+
+@pytest.mark.parametrize("model", ["tiny_seq2seq", "tiny_causal"])
+def test_probe_batch_carries_a_padding_mask_as_real_batches_do(compose_cfg, model):
+    setup, _ = _setup(compose_cfg(f"model={model}"))
+    task = "causal" if model == "tiny_causal" else "seq2seq"
+    batch = make_batch(BatchShape(3, 40, 24), setup.collator, task, setup.vocab_size, "cpu")
+    assert tuple(batch["input_ids"].shape) == (3, 40)
+    # one padded position, in the last row: attention takes its masked path, with the worst shape kept
+    assert batch["attention_mask"].sum().item() == 3 * 40 - 1 and batch["attention_mask"][-1, -1] == 0
+    single = make_batch(BatchShape(1, 40, 24), setup.collator, task, setup.vocab_size, "cpu")
+    assert single["attention_mask"].sum().item() == 39  # a lone row of 39 tokens is padded to the multiple of 8
+
+
+def test_probe_batch_of_one_row_is_unpadded_where_the_collator_would_not_pad(compose_cfg):
+    setup, _ = _setup(compose_cfg("model=tiny_seq2seq"))
+    setup.collator.pad_to_multiple_of = None  # padding to the longest row: a single row is never padded
+    single = make_batch(BatchShape(1, 37, 24), setup.collator, "seq2seq", setup.vocab_size, "cpu")
+    assert tuple(single["input_ids"].shape) == (1, 37) and single["attention_mask"].all()
+
+
+@pytest.mark.parametrize("model", ["tiny_seq2seq", "tiny_causal"])
+def test_probe_leaves_weights_and_rng_exactly_as_before(compose_cfg, model):
+    setup, optimizers = _setup(compose_cfg(f"model={model}"))
+    before = {n: p.detach().clone() for n, p in setup.model.named_parameters()}
+    rng = torch.get_rng_state()
+    probes = probe(setup, BatchShape(2, 32, 16), BatchShape(2, 32, 16))
+    assert [p.phase for p in probes] == ["train", "eval"] and not any(p.oom for p in probes)
+    assert optimizers and optimizers[0].state  # the optimizer really stepped (its state existed)
+    train = probes[0]
+    assert len(train.step_seconds) == setup.steps and min(train.step_seconds) > 0  # each step timed apart
+    assert sum(train.step_seconds) <= train.seconds
+    for name, param in setup.model.named_parameters():
+        assert torch.equal(param, before[name]), name
+        assert param.grad is None
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+@pytest.mark.slow
+def test_training_after_a_passing_preflight_is_identical_to_training_without(compose_cfg):
+    losses = []
+    for enabled in (False, True):
+        cfg = compose_cfg(
+            "model=tiny_seq2seq", *FAST, f"preflight.enabled={enabled}", f"tracking.experiment=pf{enabled}"
+        )
+        report = run(cfg)
+        client = MlflowClient(default_tracking_uri(cfg.output_dir))
+        losses.append([m.value for m in client.get_metric_history(report.run_id, "train/loss")])
+    assert losses[0] == losses[1] and len(losses[0]) == 3
+
+
+@pytest.mark.slow
+def test_preflight_probes_the_longest_padded_shape_and_truncation_changes_it(compose_cfg, long_tail_jsonl):
+    base = [
+        "model=tiny_seq2seq",
+        "data=jsonl",
+        f"data.path={long_tail_jsonl}",
+        "data.validation_fraction=0",
+        "memory.max_source_length=512",
+        "memory.pad_to_multiple_of=8",
+        "trainer.batch_size=4",
+        "preflight_only=true",
+        "preflight.max_batch_limit=8",
+    ]
+    full = run(compose_cfg(*base, "memory.max_label_length=512"))
+    assert full.status == "ok" and full.steps == 0  # preflight_only trains nothing
+    assert full.worst_case_shape[2] == padded(302, 8)  # the rare 302-token label, padded as the collator pads
+    assert full.max_batch is not None and full.max_batch >= 4
+    cut = run(compose_cfg(*base, "memory.max_label_length=32", "tracking.experiment=cut"))
+    assert cut.worst_case_shape[2] == 32
+    assert cut.worst_case_shape[1] == full.worst_case_shape[1]
+    assert cut.label_coverage < 1.0 == full.label_coverage
+
+
+@pytest.mark.slow
+def test_a_failing_preflight_exits_before_training_with_ways_out(tmp_path, long_tail_jsonl):
+    # On CPU the budget is host memory: 0.3 GiB is less than the Python process itself.
+    out = run_train_py(
+        "model=tiny_seq2seq",
+        "data=jsonl",
+        f"data.path={long_tail_jsonl}",
+        "budget.gib=0.3",
+        "budget.margin_gib=0",
+        "memory.max_label_length=512",
+        "trainer.device=cpu",
+        "memory.precision=fp32",
+        f"output_dir={tmp_path}",
+        timeout=300,
+    )
+    assert out.returncode == 3, out.stderr[-2000:]
+    assert "the worst batch does NOT fit the budget" in out.stderr
+    assert "batch 4 × source" in out.stderr and "labels 304" in out.stderr  # the probed shape is named
+    assert "ways out" in out.stderr and "trainer.batch_size=" in out.stderr
+    assert "memory.max_label_length=" in out.stderr and "gradient_checkpointing=true" in out.stderr
+    assert "memory.max_source_length=" in out.stderr and "of source tokens" in out.stderr
+    client = MlflowClient(default_tracking_uri(str(tmp_path)))
+    recorded = client.search_runs([client.get_experiment_by_name("memfit").experiment_id])[0]
+    assert recorded.info.status == "FAILED"
+    assert recorded.data.tags["memfit.reason"].startswith("preflight")
+    assert "train/loss" not in recorded.data.metrics  # no training step ran
+    assert recorded.data.metrics["preflight/passed"] == 0.0
+
+
+def test_generation_is_probed_when_evaluation_generates(compose_cfg):
+    setup, _ = _setup(compose_cfg("model=tiny_seq2seq"))
+    shape = BatchShape(2, 32, 16)
+    plain = probe(setup, shape, shape)[1]
+    setup.generate = True
+    before = {n: p.detach().clone() for n, p in setup.model.named_parameters()}
+    generating = probe(setup, shape, shape)[1]
+    assert generating.phase == "eval" and not generating.oom
+    assert generating.seconds > plain.seconds  # 16 decoding steps ran on top of the forward
+    assert all(torch.equal(p, before[n]) for n, p in setup.model.named_parameters())
+
+
+@pytest.mark.slow
+def test_a_run_that_evaluates_by_generation(compose_cfg):
+    report = run(compose_cfg("model=tiny_seq2seq", *FAST, "trainer.predict_with_generate=true"))
+    assert report.status == "ok" and report.worst_case_peak_gib > 0
+
+
+def test_ways_out_are_judged_by_the_memory_model_when_there_is_one():
+    import numpy as np
+
+    from memfit.config import GIB
+    from memfit.data.audit import BatchShape
+    from memfit.memory.meter import MemoryPeak
+    from memfit.memory.preflight import Probe, suggest
+
+    def predict(shape: BatchShape) -> float:  # a calibrated model: 4 GiB + 1 MiB per label token + 0.1 per source
+        return 4 * GIB + shape.batch * (shape.label * 2**20 + shape.source * 0.1 * 2**20)
+
+    worst = BatchShape(8, 512, 512)
+    measured = Probe(worst, "train", MemoryPeak(int(predict(worst)), int(predict(worst))), static_bytes=3 * GIB)
+    limit = 6 * GIB
+    memory = SimpleNamespace(gradient_checkpointing=True, optimizer="adafactor")
+    ways = suggest(
+        [measured],
+        limit,
+        batch=8,
+        accumulation=1,
+        task="seq2seq",
+        label_raw=np.arange(1, 600),
+        max_label=512,
+        memory=memory,
+        source_raw=np.arange(1, 600),
+        max_source=512,
+        trainable_params=10**6,
+        lora_enabled=False,
+        predict=predict,
+    )
+    batch_way = next(w for w in ways if w.startswith("trainer.batch_size="))
+    fitting = max(b for b in range(1, 8) if predict(BatchShape(b, 512, 512)) <= limit)
+    assert batch_way.startswith(f"trainer.batch_size={fitting} ") and "memory model" in batch_way
+    label_way = next(w for w in ways if w.startswith("memory.max_label_length="))
+    shorter = int(label_way.split("=")[1].split()[0])
+    assert predict(BatchShape(8, 512, shorter)) <= limit < predict(BatchShape(8, 512, shorter + 8))
+
+
+def test_the_report_logs_the_step_times_of_its_longest_training_shape():
+    """A step on a padded shape met for the first time, and one repeating it: what a new shape costs a step
+    (issue 4's step-time model), from the probes the preflight runs anyway."""
+    from memfit.memory.meter import MemoryPeak
+    from memfit.memory.preflight import PreflightReport, Probe
+
+    peak = MemoryPeak(1, 1)
+    probes = [
+        Probe(BatchShape(4, 64, 16), "train", peak, step_seconds=(0.9, 0.2)),
+        Probe(BatchShape(4, 512, 64), "train", peak, step_seconds=(1.5, 0.5, 0.7)),
+        Probe(BatchShape(4, 512, 64), "eval", peak),
+    ]
+    metrics = PreflightReport(True, probes, 10, 10, "test", "seq2seq").metrics()
+    assert metrics["preflight/first_step_s"] == 1.5 and metrics["preflight/repeat_step_s"] == pytest.approx(0.6)
+    untimed = PreflightReport(True, probes[2:], 10, 10, "test", "seq2seq").metrics()
+    assert "preflight/first_step_s" not in untimed

@@ -1,0 +1,166 @@
+"""Real Trainer steps on tiny models, recorded in a temporary sqlite MLflow store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from memfit.run import run
+from memfit.tracking import default_tracking_uri
+from tests.conftest import FAST, run_train_py
+
+pytestmark = pytest.mark.slow
+
+
+def _runs(output_dir):
+    client = MlflowClient(default_tracking_uri(str(output_dir)))
+    experiment = client.get_experiment_by_name("memfit")
+    return client, client.search_runs([experiment.experiment_id])
+
+
+@pytest.mark.parametrize("model", ["tiny_seq2seq", "tiny_causal"])
+def test_tiny_run_records_loss_beside_peak_memory(compose_cfg, tmp_path, model):
+    cfg = compose_cfg(f"model={model}", *FAST)
+    report = run(cfg)
+    assert report.status == "ok" and report.steps == 3
+    client, runs = _runs(cfg.output_dir)
+    assert len(runs) == 1
+    recorded = runs[0]
+    assert recorded.info.status == "FINISHED"
+    for metric in ("train/loss", "mem/peak_allocated_gib", "mem/peak_reserved_gib", "train/tokens_per_s"):
+        history = client.get_metric_history(recorded.info.run_id, metric)
+        assert [m.step for m in history] == [1, 2, 3], metric
+        assert all(m.value > 0 for m in history), metric
+    retries = client.get_metric_history(recorded.info.run_id, "mem/alloc_retries")
+    assert [(m.step, m.value) for m in retries] == [(1, 0), (2, 0), (3, 0)]  # the host has no caching allocator
+    assert report.alloc_retries == 0
+    summary = recorded.data.metrics
+    assert summary["summary/peak_allocated_gib"] >= max(
+        m.value for m in client.get_metric_history(recorded.info.run_id, "mem/peak_allocated_gib")
+    )
+    assert summary["summary/train_tokens"] > 0 and "eval/loss" in summary
+    assert summary["summary/tokens_per_s"] > 0 and summary["summary/tokens_per_s_with_warmup"] > 0
+    assert report.epoch_tokens_per_s == summary["summary/epoch_tokens_per_s"] > 0  # the epoch's, from its plan
+    startup = {k: v for k, v in summary.items() if k.startswith("startup/")}  # every phase before the preflight
+    phases = ("checks", "tokenizer", "data", "device", "tracking", "audit", "model", "trainer")
+    assert set(startup) == {f"startup/{phase}_s" for phase in phases} and all(v >= 0 for v in startup.values())
+    assert startup["startup/data_s"] == summary["audit/seconds"]
+    padding = [m.value for m in client.get_metric_history(recorded.info.run_id, "train/padding_share")]
+    assert len(padding) == 3 and all(0 <= share < 1 for share in padding)
+    assert recorded.data.params["memory.name"] == "balanced"
+    assert recorded.data.params["trainer.batch_size"] == "2"
+    assert recorded.data.tags["memfit.model"] == model
+    assert recorded.data.tags["memfit.meter"] == "host RSS (CPU)"
+    assert recorded.data.tags["memfit.optimizer"] == "torch.optim.adamw.AdamW"  # the optimizer that really ran
+    artifacts = [a.path for a in client.list_artifacts(recorded.info.run_id)]
+    assert "config.yaml" in artifacts
+    assert recorded.info.artifact_uri.startswith((Path(cfg.output_dir) / "mlartifacts").as_uri())  # not ./mlruns
+
+
+def test_lora_trains_only_the_adapters(compose_cfg):
+    cfg = compose_cfg("model=tiny_causal", *FAST, "tracking=none")
+    from memfit.models import build_model, build_tokenizer
+
+    built = build_model(cfg, build_tokenizer(cfg.model), "cpu")
+    names = [n for n, p in built.model.named_parameters() if p.requires_grad]
+    assert names and all("lora_" in n for n in names)
+    assert built.trainable_params < built.total_params / 10
+
+
+def test_a_failing_run_ends_failed_with_its_reason(compose_cfg):
+    # 30 hidden units cannot split into 4 heads: the model build itself fails, after the run started.
+    cfg = compose_cfg(
+        "model=tiny_seq2seq", *FAST, "model.architecture.encoder_attention_heads=4", "model.architecture.d_model=30"
+    )
+    with pytest.raises(ValueError):
+        run(cfg)
+    _, runs = _runs(cfg.output_dir)
+    assert runs[0].info.status == "FAILED"
+    assert runs[0].data.tags["memfit.reason"].startswith("failed: ValueError")
+
+
+def test_multirun_over_two_policies_gives_two_comparable_runs(tmp_path):
+    out = run_train_py(
+        "-m",
+        "memory=off,tight",
+        "model=tiny_seq2seq",
+        *FAST,
+        "memory.max_source_length=64",
+        f"output_dir={tmp_path}",
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    _, runs = _runs(tmp_path)
+    assert sorted(r.data.tags["memfit.memory"] for r in runs) == ["off", "tight"]
+    assert all(r.info.status == "FINISHED" for r in runs)
+    assert all(r.data.metrics["summary/peak_allocated_gib"] > 0 for r in runs)
+    assert {r.data.params["memory.gradient_checkpointing"] for r in runs} == {"True", "False"}
+
+
+def test_a_local_checkpoint_is_loaded_instead_of_random_weights(compose_cfg, tmp_path):
+    from memfit.models import build_model, build_tokenizer
+
+    cfg = compose_cfg("model=tiny_seq2seq", *FAST, "tracking=none")
+    tokenizer = build_tokenizer(cfg.model)
+    saved = build_model(cfg, tokenizer, "cpu").model
+    saved.save_pretrained(tmp_path / "ckpt")
+    tokenizer.save_pretrained(tmp_path / "ckpt")
+    cfg = compose_cfg("model=tiny_seq2seq", *FAST, "tracking=none", f"model.name_or_path={tmp_path / 'ckpt'}")
+    loaded = build_model(cfg, build_tokenizer(cfg.model), "cpu")
+    assert not loaded.random_weights
+    for (name, a), (_, b) in zip(saved.named_parameters(), loaded.model.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_throughput_leaves_the_first_steps_warm_up_out():
+    from memfit.memory.meter import HostMeter
+    from memfit.tracking import NullTracker
+    from memfit.training.throughput import Window
+    from memfit.training.trainer import MemoryLoggingCallback
+
+    callback = MemoryLoggingCallback(HostMeter(), NullTracker(), collator=None, max_train_tokens=None)
+    assert callback.steady_tokens_per_s is None  # nothing trained yet: the run falls back to tokens / wall time
+    callback.windows = [Window(100, 10.0, 120, 1, 1)]  # one window only: all warm-up, nothing steady to report
+    assert callback.steady_tokens_per_s is None
+    # a slow first step (optimizer state, autotuning), then steady
+    callback.windows += [Window(100, 1.0, 120, 1, 0), Window(300, 1.0, 320, 1, 0)]
+    assert callback.steady_tokens_per_s == 200.0
+
+
+def test_the_collator_counts_micro_batches_of_a_padded_shape_not_taken_before(compose_cfg):
+    from memfit.data import CountingCollator
+    from memfit.models import build_tokenizer
+
+    collator = CountingCollator(build_tokenizer(compose_cfg("model=tiny_seq2seq").model), pad_to_multiple_of=8)
+    sample = {"input_ids": [5] * 9, "attention_mask": [1] * 9, "labels": [6] * 3}
+    for batch in ([sample, sample], [sample, {**sample, "labels": [6] * 5}], [sample, {**sample, "labels": [6] * 9}]):
+        collator(batch)
+        collator.consume()
+    assert collator.new_shapes == 2  # labels 3 and 5 both pad to 8: one shape; labels 9 pad to 16: a second
+
+
+def test_a_killed_run_resumes_from_its_checkpoint_in_the_same_mlflow_run(tmp_path, monkeypatch):
+    """SIGKILLed after the step-2 checkpoint; rerun with trainer.resume=true: steps 3-6 are exactly those of an
+    uninterrupted run (step, optimizer, scheduler, RNG and data position restored) and MLflow holds one run."""
+    common = [*FAST, "trainer.max_steps=6", "trainer.save_steps=2", "tracking.run_name=resumable"]
+    straight = run_train_py(*common, f"output_dir={tmp_path / 'straight'}")
+    assert straight.returncode == 0, straight.stderr[-2000:]
+
+    monkeypatch.setenv("MEMFIT_FAULTS", "resumable=kill@3")
+    killed = run_train_py(*common, f"output_dir={tmp_path / 'resumed'}")
+    monkeypatch.delenv("MEMFIT_FAULTS")
+    assert killed.returncode == -9  # SIGKILL: nothing of memfit ran after it
+    resumed = run_train_py(*common, "trainer.resume=true", f"output_dir={tmp_path / 'resumed'}")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+
+    client, runs = _runs(tmp_path / "resumed")
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"  # continued, not forked
+    assert runs[0].data.tags["memfit.resumed_from"] == "checkpoint-2"
+    loss = {m.step: m.value for m in client.get_metric_history(runs[0].info.run_id, "train/loss")}
+    reference_client, reference = _runs(tmp_path / "straight")
+    expected = {m.step: m.value for m in reference_client.get_metric_history(reference[0].info.run_id, "train/loss")}
+    assert sorted(loss) == [1, 2, 3, 4, 5, 6]
+    assert [loss[s] for s in (3, 4, 5, 6)] == pytest.approx([expected[s] for s in (3, 4, 5, 6)], rel=1e-5)
