@@ -369,11 +369,8 @@ def memfit_sweep(
     from memfit.sweep.outcome import OBJECTIVES
     from memfit.sweep.predict import MemoryPredictor
     from memfit.sweep.screen import coverage_screen
-    from memfit.sweep.study import make_sampler
-
-    class ReplaySweep(BudgetSweep):
-        def _study(self):  # in memory: thousands of replayed trials need no sqlite file
-            return optuna.create_study(sampler=make_sampler("tpe", seed, n_trials), direction="maximize")
+    from memfit.sweep.storage import make_sampler
+    from memfit.sweep.telling import TrialTeller
 
     settings = MemfitSweeperConf(
         n_trials=n_trials,
@@ -384,15 +381,16 @@ def memfit_sweep(
         seed=seed,
         heartbeat_s=None,  # one in-memory study, no other workers
     )
-    sweep = ReplaySweep(**OmegaConf.to_container(OmegaConf.structured(settings)))
-    sweep.config, sweep.space = data.config, data.space
-    sweep.objectives, sweep.budget_gib = [objective], budget
-    sweep.trials = TableTrials(views, budget, OBJECTIVES[objective][0], data.calibrations)
-    # the sweeper's own screen and memory model over the data's lengths (what _screen_data builds in a live sweep)
-    sweep.screen = coverage_screen(data.lengths, data.space, data.config, COVERAGE_FLOOR)
-    sweep.predictor = MemoryPredictor(data.lengths, data.config, settings.predict_margin, EFFECTIVE_BATCH)
-    study = sweep._study()
-    sweep._run_trials(study, data.space, [], None, lambda **_: None, sweep.trials)
+    sweep = BudgetSweep(**OmegaConf.to_container(OmegaConf.structured(settings)))
+    sweep.config, sweep.objectives, sweep.budget_gib = data.config, [objective], budget
+    trials = TableTrials(views, budget, OBJECTIVES[objective][0], data.calibrations)
+    # the sweeper's own screen and memory model over the data's lengths (what a live sweep builds from its data)
+    screen = coverage_screen(data.lengths, data.space, data.config, COVERAGE_FLOOR)
+    predictor = MemoryPredictor(data.lengths, data.config, settings.predict_margin, EFFECTIVE_BATCH)
+    teller = TrialTeller(sweep.settings, data.config, [objective], budget, screen, predictor)
+    # in memory: thousands of replayed trials need no sqlite file
+    study = optuna.create_study(sampler=make_sampler("tpe", seed, n_trials), direction="maximize")
+    sweep.run_trials(study, teller, data.space, [], None, lambda **_: None, trials)
     spent, best, found_at, trace = 0.0, None, 0.0, []
     for trial in study.trials:
         spent += trial.user_attrs.get("gpu_seconds", 0.0)

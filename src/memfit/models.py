@@ -135,10 +135,10 @@ def _apply_lora(model: Any, model_cfg: DictConfig, memory: DictConfig) -> Any:
     if memory.load_in_4bit:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=memory.gradient_checkpointing)
     peft_cfg = LoraConfig(
-        r=memory.lora_r or lora.r,
+        r=lora.r,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
-        target_modules=list(memory.lora_target_modules or lora.target_modules),
+        target_modules=list(lora.target_modules),
         task_type=TaskType.SEQ_2_SEQ_LM if model_cfg.task == "seq2seq" else TaskType.CAUSAL_LM,
     )
     return get_peft_model(model, peft_cfg)

@@ -79,14 +79,13 @@ def _linear_layer_names(cfg: DictConfig) -> set[str]:
 def check_lora_targets(cfg: DictConfig) -> list[str]:
     if not cfg.model.lora.enabled or cfg.model.source == "bert2bert":
         return []
-    targets = list(cfg.memory.lora_target_modules or cfg.model.lora.target_modules)
-    field = "memory.lora_target_modules" if cfg.memory.lora_target_modules else "model.lora.target_modules"
+    targets = list(cfg.model.lora.target_modules)
     present = _linear_layer_names(cfg)
     missing = [t for t in targets if t not in present]
     if not missing:
         return []
     return [
-        f"{field} has {', '.join(missing)}, which {cfg.model.name} does not have: "
+        f"model.lora.target_modules has {', '.join(missing)}, which {cfg.model.name} does not have: "
         f"its linear layers are {', '.join(sorted(present))}"
     ]
 

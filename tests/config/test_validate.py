@@ -6,6 +6,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from memfit.config import ConfigError, effective_lengths, validate
+from memfit.config.schema import memory_knobs
 from tests.conftest import CONF, run_train_py, write_jsonl
 
 
@@ -46,11 +47,48 @@ def test_every_shipped_option_composes_and_validates(compose_cfg, tmp_path, grou
         validate(cfg, cuda_available=True)  # the config itself is sound; device needs are tested below
 
 
-def test_every_memory_knob_is_commented_with_its_trade_off():
+def test_every_memory_knob_is_set_and_commented_with_its_trade_off_in_every_policy():
     for path in (CONF / "memory").glob("*.yaml"):
+        set_here = {}
         for line in path.read_text().splitlines():
-            if line and not line.startswith("#") and ":" in line and not line.startswith("name:"):
+            if line.startswith("  ") and not line.startswith("   ") and ":" in line:
+                set_here[line.split(":", 1)[0].strip()] = line
+            elif line.startswith("    ") and line.strip()[:1] not in ("#", ""):  # model.lora's, set by a policy
                 assert "#" in line, f"{path.name}: knob without a trade-off comment: {line}"
+        for name in memory_knobs():
+            assert name in set_here, f"{path.name} does not set memory.{name}"
+            assert "#" in set_here[name], f"{path.name}: knob without a trade-off comment: {set_here[name]}"
+
+
+def test_every_memory_field_declares_what_it_means_for_calibration_device_and_probe():
+    from dataclasses import fields
+
+    from memfit.config.schema import APPLIED_BY, MemoryConfig
+    from memfit.config.validate import REMOVED_KNOBS
+    from memfit.memory.calibration import POLICY_KNOBS
+    from memfit.memory.probe import APPLIED_AS_TRAINER
+
+    assert {f.name for f in fields(MemoryConfig)} == {"name", *memory_knobs(), *REMOVED_KNOBS}
+    assert all(knob.applied_by in APPLIED_BY for knob in memory_knobs().values())
+    assert set(POLICY_KNOBS) == {name for name, knob in memory_knobs().items() if knob.step}
+    trainer_step_knobs = {n for n, k in memory_knobs().items() if k.step and k.applied_by == "trainer"}
+    assert trainer_step_knobs == set(APPLIED_AS_TRAINER), "a step knob Trainer applies must be applied by the probe"
+
+
+@pytest.mark.parametrize("old", ["memory.lora_r=8", "memory.lora_target_modules=[q_proj]", "memory.packing=true"])
+def test_a_removed_knob_says_where_it_went(compose_cfg, old):
+    with pytest.raises(ConfigError) as err:
+        validate(compose_cfg(old))
+    name = old.split("=")[0]
+    assert f"{name} was removed: " in str(err.value)
+
+
+def test_a_policy_sets_lora_through_model_lora_and_the_command_line_still_wins(compose_cfg):
+    tight = compose_cfg("model=qwen2_5_0_5b", "memory=tight")
+    assert tight.model.lora.r == 8 and list(tight.model.lora.target_modules) == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    mine = compose_cfg("model=qwen2_5_0_5b", "memory=tight", "model.lora.r=32")
+    assert mine.model.lora.r == 32
+    assert compose_cfg("model=qwen2_5_0_5b", "memory=balanced").model.lora.r == 16  # the model's own
 
 
 def test_cfg_job_shows_the_policy_knobs():
@@ -79,7 +117,6 @@ BAD = [
     (["data=jsonl", "data.path=/nonexistent/my.jsonl"], "data.path=/nonexistent/my.jsonl: no such file"),
     (["memory.optimizer=lion"], "memory.optimizer='lion' is not one of"),
     (["memory.overlength=clip"], "memory.overlength='clip' is not one of"),
-    (["memory.packing=true"], "memory.packing=true is not supported"),
     (
         ["model=tiny_causal", "memory.load_in_4bit=true", "trainer.device=cpu"],
         "memory.load_in_4bit=true needs a CUDA GPU",

@@ -239,10 +239,11 @@ def calibrated(tmp_path_factory):
 
 def test_the_sweeper_tells_a_configuration_predicted_far_over_budget_without_running_it(calibrated):
     import optuna
+    from omegaconf import OmegaConf
 
-    from memfit.sweep import BudgetSweep
     from memfit.sweep.predict import MemoryPredictor
     from memfit.sweep.screen import data_lengths
+    from memfit.sweep.telling import TrialTeller
     from memfit.sweep.trials import TrialResult
 
     cfg, path = calibrated
@@ -251,8 +252,8 @@ def test_the_sweeper_tells_a_configuration_predicted_far_over_budget_without_run
         "memory.gradient_checkpointing": optuna.distributions.CategoricalDistribution([False, True]),
     }
     predictor = MemoryPredictor(data_lengths(space, cfg), cfg, margin=0.1, effective_batch=None)
-    sweep = BudgetSweep(coverage_floor=0.0, predict_margin=0.1)
-    sweep.objectives, sweep.config, sweep.predictor = ["throughput"], cfg, predictor
+    settings = OmegaConf.create({"coverage_floor": 0.0, "predict_margin": 0.1})
+    sweep = TrialTeller(settings, cfg, ["throughput"], predictor=predictor)
     study = optuna.create_study(direction="maximize")
 
     def ask(batch: int, checkpointing: bool = False):
@@ -260,11 +261,11 @@ def test_the_sweeper_tells_a_configuration_predicted_far_over_budget_without_run
         return study.ask(space)
 
     first = ask(2)
-    assert not sweep._told_without_running(study, first, None)  # nothing calibrated yet: it runs
+    assert not sweep.told_without_running(study, first, None)  # nothing calibrated yet: it runs
     small = predictor.signature(first.params)
     report = {"status": "ok", "tokens_per_s": 100.0, "worst_case_peak_gib": 1.0, "limit_gib": 1.5, "calibration": path}
     sweep.budget_gib = 2.0
-    sweep._tell(study, first, TrialResult(report, None, 3.0), None)
+    sweep.tell(study, first, TrialResult(report, None, 3.0), None)
     assert predictor.calibrations[small][1] == first.number
 
     big_gib = predictor.predicted_gib({"trainer.batch_size": 512, "memory.gradient_checkpointing": False})[0]
@@ -272,7 +273,7 @@ def test_the_sweeper_tells_a_configuration_predicted_far_over_budget_without_run
     assert big_gib > small_gib  # 256 times the rows, on top of the process itself
     sweep.budget_gib = big_gib / 1.5  # the big one is over budget by more than the 10% margin
     big = ask(512)
-    assert sweep._told_without_running(study, big, None)
+    assert sweep.told_without_running(study, big, None)
     told = study.trials[big.number]
     assert told.user_attrs["status"] == "predicted_infeasible" and told.user_attrs["predicted"] is True
     assert told.user_attrs["not_run"] and told.user_attrs["gpu_seconds"] == 0.0
@@ -283,7 +284,7 @@ def test_the_sweeper_tells_a_configuration_predicted_far_over_budget_without_run
     # over budget, but within the margin: left to the measurement
     assert predictor.over_budget(big.params, big_gib / 1.05) is None
     # another policy (checkpointing) has no calibration of its own: it runs
-    assert not sweep._told_without_running(study, ask(512, checkpointing=True), None)
+    assert not sweep.told_without_running(study, ask(512, checkpointing=True), None)
 
 
 def test_once_calibrated_the_fullest_predicted_fit_is_tried_next_for_a_throughput_objective(calibrated):
@@ -291,10 +292,11 @@ def test_once_calibrated_the_fullest_predicted_fit_is_tried_next_for_a_throughpu
     most of the limit without passing it is queued for the next ask, fill_budget times per study; a preflight that
     finds it over makes the next fullest the next one. Not while a part of the space has no calibration yet."""
     import optuna
+    from omegaconf import OmegaConf
 
-    from memfit.sweep import BudgetSweep
     from memfit.sweep.predict import MemoryPredictor
     from memfit.sweep.screen import data_lengths
+    from memfit.sweep.telling import TrialTeller
     from memfit.sweep.trials import TrialResult
 
     cfg, path = calibrated
@@ -304,16 +306,16 @@ def test_once_calibrated_the_fullest_predicted_fit_is_tried_next_for_a_throughpu
         "memory.gradient_checkpointing": optuna.distributions.CategoricalDistribution([False, True]),
     }
     predictor = MemoryPredictor(data_lengths(space, cfg), cfg, margin=0.1, effective_batch=None)
-    sweep = BudgetSweep(coverage_floor=0.0, predict_margin=0.1, fill_budget=2)
-    sweep.objectives, sweep.config, sweep.predictor, sweep.budget_gib = ["throughput"], cfg, predictor, 100.0
+    settings = OmegaConf.create({"coverage_floor": 0.0, "predict_margin": 0.1, "fill_budget": 2})
+    sweep = TrialTeller(settings, cfg, ["throughput"], 100.0, predictor=predictor)
     study = optuna.create_study(direction="maximize")
-    assert not sweep._queue_fullest_fit(study, space)  # nothing calibrated yet: the sampler proposes
+    assert not sweep.queue_fullest_fit(study, space)  # nothing calibrated yet: the sampler proposes
 
     def run(params: dict, status: str, peak: float, calibration: str | None = None):
         study.enqueue_trial(params)
         trial = study.ask(space)
         report = {"status": status, "tokens_per_s": 10.0, "worst_case_peak_gib": peak, "limit_gib": 1.5}
-        sweep._tell(study, trial, TrialResult({**report, "calibration": calibration}, None, 3.0), None)
+        sweep.tell(study, trial, TrialResult({**report, "calibration": calibration}, None, 3.0), None)
 
     run({"trainer.batch_size": 1, "memory.gradient_checkpointing": False}, "ok", 1.0, calibration=path)
     gib = {
@@ -323,32 +325,32 @@ def test_once_calibrated_the_fullest_predicted_fit_is_tried_next_for_a_throughpu
     assert [gib[b] for b in batches] == sorted(gib.values()) and gib[128] < gib[512]
     # a limit between batch 128's prediction and batch 512's
     sweep.budget_gib = (gib[128] + gib[512]) / 2 + cfg.budget.margin_gib
-    limit = sweep._limit_gib()
+    limit = sweep.limit_gib
     # checkpointing has no calibration of its own yet, and may hold a fuller fit: no fill
-    assert not sweep._queue_fullest_fit(study, space)
+    assert not sweep.queue_fullest_fit(study, space)
     # once its outcome is known (batch 1 did not fit, so no larger batch does), the fill goes ahead
     run({"trainer.batch_size": 1, "memory.gradient_checkpointing": True}, "preflight_failed", limit + 1)
 
     def fill_then_tell(status: str) -> int:
-        assert sweep._queue_fullest_fit(study, space)
+        assert sweep.queue_fullest_fit(study, space)
         trial = study.ask(space)
         assert trial.user_attrs["fills_budget"] is True and not trial.params["memory.gradient_checkpointing"]
         peak = limit + (0.5 if status == "preflight_failed" else -0.5)
         report = {"status": status, "tokens_per_s": 50.0, "worst_case_peak_gib": peak, "limit_gib": limit}
-        sweep._tell(study, trial, TrialResult(report, None, 3.0), None)
+        sweep.tell(study, trial, TrialResult(report, None, 3.0), None)
         return trial.params["trainer.batch_size"]
 
     assert fill_then_tell("preflight_failed") == 128  # the prediction was low: measured over the limit
     assert fill_then_tell("ok") == 32  # the next fullest; 128 is measured, 512 dominated and predicted over
-    assert not sweep._queue_fullest_fit(study, space)  # fill_budget=2 spent: the sampler proposes from here
+    assert not sweep.queue_fullest_fit(study, space)  # fill_budget=2 spent: the sampler proposes from here
     assert not study.trials[0].user_attrs.get("fills_budget")
 
     # a loss objective (or a Pareto front) is not maximised by filling memory: never queued
     sweep.settings.fill_budget = 3
     sweep.objectives = ["loss"]
-    assert not sweep._queue_fullest_fit(study, space)
+    assert not sweep.queue_fullest_fit(study, space)
     sweep.objectives = ["throughput"]
-    assert sweep._queue_fullest_fit(study, space)
+    assert sweep.queue_fullest_fit(study, space)
     # the fullest of those not tried yet (on CPU the smallest batches can predict the same: the process dominates)
     assert gib[study.ask(space).params["trainer.batch_size"]] == max(gib[b] for b in (2, 8))
 

@@ -397,30 +397,28 @@ def test_a_configuration_larger_than_an_infeasible_one_is_not_run():
 
 
 def test_a_trial_another_worker_failed_as_stale_does_not_stop_this_worker(caplog):
-    from memfit.sweep import BudgetSweep
+    from memfit.sweep.telling import TrialTeller
     from memfit.sweep.trials import TrialResult
 
-    sweep = BudgetSweep(coverage_floor=0.0, heartbeat_s=2)
-    sweep.objectives = ["throughput"]
+    teller = TrialTeller(OmegaConf.create({"coverage_floor": 0.0, "heartbeat_s": 2}), None, ["throughput"])
     study = optuna.create_study(direction="maximize")
     trial = study.ask({"trainer.batch_size": optuna.distributions.CategoricalDistribution([4, 8])})
     study.tell(trial, state=optuna.trial.TrialState.FAIL)  # another worker: its heartbeat came too late
     report = {"status": "ok", "tokens_per_s": 100.0, "worst_case_peak_gib": 1.0}
-    sweep._tell_unless_failed_as_stale(study, trial, TrialResult(report, None, 3.0), None)
+    teller.tell(study, trial, TrialResult(report, None, 3.0), None)
     assert study.trials[trial.number].state == optuna.trial.TrialState.FAIL  # as the other worker left it
     assert "failed it as stale" in caplog.text and "no heartbeat for 6 s" in caplog.text
 
 
 def test_a_configuration_measured_before_is_told_from_that_measurement_not_run_again():
-    from memfit.sweep import BudgetSweep
+    from memfit.sweep.telling import TrialTeller
 
-    sweep = BudgetSweep()
-    sweep.objectives = ["throughput"]
+    sweep = TrialTeller(OmegaConf.create({"coverage_floor": 0.0}), None, ["throughput"])
     study = optuna.create_study(direction="maximize")
     space = {"trainer.batch_size": optuna.distributions.CategoricalDistribution([4, 8])}
     study.enqueue_trial({"trainer.batch_size": 8})
     measured = study.ask(space)
-    assert not sweep._told_without_running(study, measured, None)  # nothing known yet: it runs
+    assert not sweep.told_without_running(study, measured, None)  # nothing known yet: it runs
     measured.set_user_attr("status", "ok")
     measured.set_user_attr("gpu_seconds", 41.0)
     measured.set_constraint("memory_gib", -2.5)
@@ -429,8 +427,8 @@ def test_a_configuration_measured_before_is_told_from_that_measurement_not_run_a
     study.enqueue_trial({"trainer.batch_size": 8})
     study.enqueue_trial({"trainer.batch_size": 4})
     again, other = study.ask(space), study.ask(space)
-    assert sweep._told_without_running(study, again, None)
-    assert not sweep._told_without_running(study, other, None)
+    assert sweep.told_without_running(study, again, None)
+    assert not sweep.told_without_running(study, other, None)
     told = study.trials[again.number]
     assert told.values == [1234.0] and told.user_attrs["repeat_of"] == measured.number
     assert told.user_attrs["gpu_seconds"] == 0.0 and told.user_attrs["status"] == "ok"
@@ -443,31 +441,30 @@ def test_no_more_processes_are_started_ahead_than_trials_are_still_to_come():
     sweep = BudgetSweep(n_trials=3, prestart_ahead=2, budgets=None)
     study = optuna.create_study(direction="maximize")
     space = {"trainer.batch_size": optuna.distributions.CategoricalDistribution([4, 8])}
-    assert sweep._standbys_wanted(study, 1) == 2
+    assert sweep.standbys_wanted(study, 1) == 2
     study.tell(study.ask(space), 1.0)
     study.ask(space)  # running: one done, one running, one still to come
-    assert sweep._standbys_wanted(study, 1) == 1
+    assert sweep.standbys_wanted(study, 1) == 1
     study.ask(space)
-    assert sweep._standbys_wanted(study, 1) == 0
+    assert sweep.standbys_wanted(study, 1) == 0
     ladder = BudgetSweep(n_trials=3, prestart_ahead=2, budgets=[16, 24])
     ladder.budget_gib = 16  # the 24 GiB study comes after this one: its trials need processes too
-    assert ladder._standbys_wanted(study, 1) == 2
+    assert ladder.standbys_wanted(study, 1) == 2
 
 
 def test_of_two_workers_asking_one_configuration_at_once_only_the_earlier_trial_measures_it():
     """Two workers' trials both hold the same configuration, RUNNING, before either has checked the other: the
     lower-numbered one runs, the other is told as surplus (before, each saw the other and neither ran)."""
-    from memfit.sweep import BudgetSweep
+    from memfit.sweep.telling import TrialTeller
 
-    sweep = BudgetSweep()
-    sweep.objectives = ["throughput"]
+    sweep = TrialTeller(OmegaConf.create({"coverage_floor": 0.0}), None, ["throughput"])
     study = optuna.create_study(direction="maximize")
     space = {"trainer.batch_size": optuna.distributions.CategoricalDistribution([4, 8])}
     study.enqueue_trial({"trainer.batch_size": 8})
     study.enqueue_trial({"trainer.batch_size": 8})
     first, second = study.ask(space), study.ask(space)
-    assert sweep._told_without_running(study, second, None)  # checked first, but the later trial of the two
-    assert not sweep._told_without_running(study, first, None)  # runs
+    assert sweep.told_without_running(study, second, None)  # checked first, but the later trial of the two
+    assert not sweep.told_without_running(study, first, None)  # runs
     told = study.trials[second.number]
     assert told.state == optuna.trial.TrialState.FAIL and told.user_attrs["status"] == "surplus"
     assert f"trial {first.number} (another worker) is measuring" in told.user_attrs["reason"]
@@ -476,8 +473,8 @@ def test_of_two_workers_asking_one_configuration_at_once_only_the_earlier_trial_
 def test_a_label_length_below_the_coverage_floor_is_told_from_the_data_not_run(compose_cfg):
     from memfit.data import load_and_tokenize
     from memfit.models import build_tokenizer
-    from memfit.sweep import BudgetSweep
     from memfit.sweep.screen import coverage_screen, data_lengths
+    from memfit.sweep.telling import TrialTeller
 
     cfg = compose_cfg("model=tiny_seq2seq", "data.max_train_samples=48")
     space = {"memory.max_label_length": optuna.distributions.CategoricalDistribution([8, 512])}
@@ -488,12 +485,11 @@ def test_a_label_length_below_the_coverage_floor_is_told_from_the_data_not_run(c
     assert screen.below_floor({"memory.max_label_length": 512}) is None
     assert data_lengths({"data.max_train_samples": space["memory.max_label_length"]}, cfg) is None
 
-    sweep = BudgetSweep(coverage_floor=0.99)
-    sweep.objectives, sweep.screen = ["throughput"], screen
+    sweep = TrialTeller(OmegaConf.create({"coverage_floor": 0.99}), None, ["throughput"], screen=screen)
     study = optuna.create_study(direction="maximize")
     study.enqueue_trial({"memory.max_label_length": 8})
     trial = study.ask(space)
-    assert sweep._told_without_running(study, trial, None)
+    assert sweep.told_without_running(study, trial, None)
     told = study.trials[0]
     assert told.user_attrs["status"] == "below_coverage_floor" and "coverage_floor=0.99" in told.user_attrs["reason"]
     assert told.constraints["coverage"] == pytest.approx(0.99 - audited) and told.values == [0.0]
@@ -726,6 +722,7 @@ def test_a_budget_ladder_reuses_measurements_and_writes_one_preset_per_budget(tm
         ),
         (["hydra.sweeper.pin_cores=true"], "hydra.sweeper.pin_cores gives each device's trials their own cores"),
         (["hydra.sweeper.prestart_ahead=0"], "hydra.sweeper.prestart_ahead=0: keep at least 1 process ahead"),
+        (["hydra.sweeper.n_trials=0"], "hydra.sweeper.n_trials=0 must be > 0"),
         (
             ["trainer.batch_size=choice(2,4)", "memory.max_label_length=8", "data.max_train_samples=48"],
             "memory.max_label_length=8 keeps",
@@ -743,10 +740,9 @@ def test_a_bad_sweep_setting_is_one_line_and_exit_2(tmp_path, overrides, expecte
 def test_when_the_sampler_proposes_only_known_configurations_an_unmeasured_one_is_queued():
     """TPE with few feasible trials can keep proposing what it was told is infeasible; the sweeper then queues a
     configuration whose outcome is not known yet, until none is left."""
-    from memfit.sweep import BudgetSweep
+    from memfit.sweep.telling import TrialTeller
 
-    sweep = BudgetSweep(seed=0)
-    sweep.objectives = ["throughput"]
+    sweep = TrialTeller(OmegaConf.create({"seed": 0, "coverage_floor": 0.0}), None, ["throughput"])
     study = optuna.create_study(direction="maximize")
     space = {
         "trainer.batch_size": optuna.distributions.CategoricalDistribution([4, 8, 16]),
@@ -759,10 +755,10 @@ def test_when_the_sampler_proposes_only_known_configurations_an_unmeasured_one_i
     study.tell(too_large, 0.0)  # (16, 128) is at least as large: known without running
 
     explored = []
-    while sweep._queue_unexplored(study, space):
+    while sweep.queue_unexplored(study, space):
         trial = study.ask(space)
         assert trial.user_attrs["explored"] is True
-        assert not sweep._told_without_running(study, trial, None)
+        assert not sweep.told_without_running(study, trial, None)
         explored.append((trial.params["trainer.batch_size"], trial.params["memory.max_label_length"]))
         trial.set_user_attr("status", "ok")
         trial.set_constraint("memory_gib", -1.0)

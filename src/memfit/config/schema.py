@@ -5,7 +5,7 @@ a config that several phases need (one function each).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -68,28 +68,68 @@ class DataConfig:
     max_eval_samples: int | None = None
 
 
+APPLIED_BY = ("data", "collator", "model", "trainer", "allocator")
+
+
+@dataclass(frozen=True)
+class Knob:
+    """What a memory knob means beyond its value; every field of MemoryConfig but `name` declares one (a test fails
+    on a field without). The calibration key, the device checks and the probe's coverage are derived from these."""
+
+    step: bool  # changes what a training step holds for a given batch shape: part of the calibration key
+    applied_by: str  # one of APPLIED_BY: the phase that puts it into effect (the probe must see "trainer" ones too)
+    cuda_only: tuple[Any, ...] = ()  # values that need a CUDA device
+    on_cpu: str = ""  # the fix named when one of those values is set without CUDA
+
+
+def knob(default: Any, **meaning: Any) -> Any:
+    """A MemoryConfig field with its Knob (lists take a copy of `default` per instance)."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"knob": Knob(**meaning)})
+    return field(default=default, metadata={"knob": Knob(**meaning)})
+
+
 @dataclass
 class MemoryConfig:
+    """The knobs of a memory policy (conf/memory/*.yaml comments each one's trade-off)."""
+
     name: str = MISSING
-    max_source_length: int | None = 512  # None: the model's position limit
-    max_label_length: int | None = 128
-    overlength: str = "truncate"
-    group_by_length: bool = False
-    pad_to_multiple_of: int | None = None
-    gradient_checkpointing: bool = False
-    precision: str = "fp32"
-    weights_dtype: str = "fp32"
-    optimizer: str = "adamw"
+    max_source_length: int | None = knob(512, step=False, applied_by="data")  # None: the model's position limit
+    max_label_length: int | None = knob(128, step=False, applied_by="data")
+    overlength: str = knob("truncate", step=False, applied_by="data")
+    group_by_length: bool = knob(False, step=False, applied_by="trainer")
+    pad_to_multiple_of: int | None = knob(None, step=False, applied_by="collator")
+    gradient_checkpointing: bool = knob(False, step=True, applied_by="model")
+    precision: str = knob(
+        "fp32", step=True, applied_by="trainer", cuda_only=("fp16",), on_cpu="use memory.precision=bf16 or fp32"
+    )
+    weights_dtype: str = knob("fp32", step=True, applied_by="model")
+    optimizer: str = knob(
+        "adamw",
+        step=True,
+        applied_by="trainer",
+        cuda_only=("adamw_8bit",),
+        on_cpu="use memory.optimizer=adamw or adafactor (bitsandbytes needs CUDA)",
+    )
+    load_in_4bit: bool = knob(
+        False, step=True, applied_by="model", cuda_only=(True,), on_cpu="use memory=tight (bitsandbytes needs CUDA)"
+    )
+    eval_enabled: bool = knob(True, step=False, applied_by="trainer")
+    eval_batch_size: int | None = knob(None, step=False, applied_by="trainer")
+    expandable_segments: bool = knob(False, step=True, applied_by="allocator")
+    # cuDNN plans every new padded shape on the host (memory.policy.apply_attention_kernels)
+    cudnn_attention: bool = knob(False, step=True, applied_by="allocator")
+    memory_fraction: float | None = knob(None, step=False, applied_by="allocator")
+    empty_cache_steps: int | None = knob(None, step=False, applied_by="trainer")
+    # Removed knobs, kept one release so that setting one says where it went (validate.REMOVED_KNOBS).
     lora_r: int | None = None
     lora_target_modules: list[str] | None = None
-    load_in_4bit: bool = False
-    packing: bool = False
-    eval_enabled: bool = True
-    eval_batch_size: int | None = None
-    expandable_segments: bool = False
-    cudnn_attention: bool = False  # cuDNN plans every new padded shape on the host (policy.apply_attention_kernels)
-    memory_fraction: float | None = None
-    empty_cache_steps: int | None = None
+    packing: bool | None = None
+
+
+def memory_knobs() -> dict[str, Knob]:
+    """Every memory knob and its declared meaning, in schema order."""
+    return {f.name: f.metadata["knob"] for f in fields(MemoryConfig) if "knob" in f.metadata}
 
 
 @dataclass

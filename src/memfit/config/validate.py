@@ -21,7 +21,15 @@ from memfit.config.schema import (
     TRACKING_BACKENDS,
     WEIGHT_DTYPES,
     effective_lengths,
+    memory_knobs,
 )
+
+# knobs removed from memory policies, and what replaces each (one release of errors, then the names are free)
+REMOVED_KNOBS = {
+    "lora_r": "set model.lora.r (a policy sets it there too: conf/memory/tight.yaml)",
+    "lora_target_modules": "set model.lora.target_modules (a policy sets it there too: conf/memory/tight.yaml)",
+    "packing": "memfit never packed samples (packing raises activation memory per batch): remove it",
+}
 
 
 class ConfigError(ValueError):
@@ -84,13 +92,11 @@ def _validate_memory(cfg: DictConfig, problems: list[str]) -> None:
     _positive(problems, "memory.pad_to_multiple_of", mem.pad_to_multiple_of, "use 8 (tensor cores) or null")
     _positive(problems, "memory.eval_batch_size", mem.eval_batch_size, "use a positive batch or null")
     _positive(problems, "memory.empty_cache_steps", mem.empty_cache_steps, "use a positive step count or null")
-    _positive(problems, "memory.lora_r", mem.lora_r, "use a rank such as 8, or null to keep model.lora.r")
     if mem.memory_fraction is not None and not 0 < mem.memory_fraction <= 1:
         problems.append(f"memory.memory_fraction={mem.memory_fraction} must be in (0, 1]: use 0.9 or null")
-    if mem.packing:
-        problems.append(
-            "memory.packing=true is not supported: packing raises activation memory; set memory.packing=false"
-        )
+    for name, instead in REMOVED_KNOBS.items():
+        if mem[name] is not None:
+            problems.append(f"memory.{name} was removed: {instead}")
     if mem.load_in_4bit and not cfg.model.lora.enabled:
         problems.append(
             "memory.load_in_4bit=true needs LoRA (4-bit weights cannot be trained): set model.lora.enabled=true"
@@ -140,18 +146,25 @@ def _validate_tracking(cfg: DictConfig, problems: list[str]) -> None:
 
 
 def _validate_device_needs(cfg: DictConfig, problems: list[str], cuda_available: bool) -> None:
-    """Knobs that only exist on a CUDA device fail here, not after the model is loaded."""
+    """Knob values that only exist on a CUDA device (their Knob.cuda_only) fail here, not after the model is loaded."""
     on_cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and cuda_available)
     if cfg.trainer.device == "cuda" and not cuda_available:
         problems.append("trainer.device=cuda but no CUDA device is visible: use trainer.device=auto or cpu")
-    if on_cuda:
-        return
-    if cfg.memory.load_in_4bit:
-        problems.append("memory.load_in_4bit=true needs a CUDA GPU (bitsandbytes): use memory=tight on CPU")
-    if cfg.memory.optimizer == "adamw_8bit":
-        problems.append("memory.optimizer=adamw_8bit needs a CUDA GPU (bitsandbytes): use adamw or adafactor on CPU")
-    if cfg.memory.precision == "fp16":
-        problems.append("memory.precision=fp16 needs a CUDA GPU: use memory.precision=bf16 or fp32 on CPU")
+    if not on_cuda:
+        problems += [
+            f"memory.{name}={_text(cfg.memory[name])} needs a CUDA GPU: {knob.on_cpu}"
+            for name, knob in memory_knobs().items()
+            if cfg.memory[name] in knob.cuda_only
+        ]
+
+
+def _needs_cuda(cfg: DictConfig) -> bool:
+    return any(cfg.memory[name] in knob.cuda_only for name, knob in memory_knobs().items())
+
+
+def _text(value: Any) -> str:
+    """A value as the user types it on the command line."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _cuda_available() -> bool:
@@ -173,11 +186,8 @@ def validate(cfg: DictConfig, cuda_available: bool | None = None) -> None:
     _validate_preflight(cfg, problems)
     _validate_tracking(cfg, problems)
     problems.extend(check_data_source(cfg.data, cfg.model.task))
-    needs_device_answer = (
-        cfg.memory.load_in_4bit or cfg.memory.optimizer == "adamw_8bit" or cfg.memory.precision == "fp16"
-    )
     if cuda_available is None:
-        cuda_available = _cuda_available() if (needs_device_answer or cfg.trainer.device == "cuda") else False
+        cuda_available = _cuda_available() if (_needs_cuda(cfg) or cfg.trainer.device == "cuda") else False
     _validate_device_needs(cfg, problems, cuda_available)
     if problems:
         raise ConfigError(problems)

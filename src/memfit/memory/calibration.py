@@ -23,6 +23,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from memfit.config.schema import memory_knobs
 from memfit.data.audit import BatchShape
 from memfit.memory.model import (
     COUNTED_TERMS,
@@ -44,18 +45,8 @@ log = logging.getLogger(__name__)
 
 FORMAT = 7  # bump when what a calibration file holds or how it is fitted changes: old files are then not reused
 # 7: probe batches carry a padding mask (preflight.make_batch), which holds more memory than none
-# memory knobs that change what a step holds for a given shape (lengths, padding and eval settings do not)
-POLICY_KNOBS = (
-    "precision",
-    "weights_dtype",
-    "gradient_checkpointing",
-    "optimizer",
-    "lora_r",
-    "lora_target_modules",
-    "load_in_4bit",
-    "expandable_segments",
-    "cudnn_attention",
-)
+# the memory knobs that change what a step holds for a given shape (their Knob.step; lengths and padding do not)
+POLICY_KNOBS = tuple(name for name, knob in memory_knobs().items() if knob.step)
 
 
 def wanted(calibration: DictConfig, device: str) -> bool:

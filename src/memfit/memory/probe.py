@@ -129,6 +129,15 @@ class _Preserved:
         self.model.train(self.training)
 
 
+# The step knobs Trainer applies (Knob.applied_by "trainer", Knob.step), and how a probe applies each as Trainer
+# does. A new such knob must be added here and applied in `probe`, or the preflight would not measure it (a test
+# compares this with the schema).
+APPLIED_AS_TRAINER = {
+    "precision": "autocast to the policy's precision around forward and loss (_autocast)",
+    "optimizer": "the run's own optimizer, built by trainer.create_optimizer (ProbeSetup.make_optimizer)",
+}
+
+
 @dataclass
 class ProbeSetup:
     model: Any

@@ -1,5 +1,6 @@
-"""memfit's budget sweep (hydra/sweeper=memfit): search space, trial outcomes, trial processes, the study loop,
-the budget ladder and the results it leaves."""
+"""memfit's budget sweep (hydra/sweeper=memfit): the search space (space), trial outcomes (outcome), the proposal
+rules (proposals), the storage and its recovery (storage), telling trials (telling), the loop (study), the trial
+processes (trials, standby), the MLflow runs (runs), the budget ladder (ladder) and the results (results)."""
 
 from memfit.sweep.outcome import TrialOutcome, objective_names, outcome_of
 from memfit.sweep.space import dominated_by, parse_search, repeat_of

@@ -64,12 +64,8 @@ class MemoryPredictor:
         self.calibrations[key] = (calibration, trial_number)
         log.info("memory model: trials like %d are now predicted from calibration %s", trial_number, calibration.key)
 
-    def predicted_gib(self, params: dict[str, Any]) -> tuple[float, Any, int] | None:
-        """(peak reserved GiB of the worst batch, calibration, trial it came from), or None without a calibration."""
-        found = self.calibrations.get(self.signature(params))
-        if found is None:
-            return None
-        calibration, source_trial = found
+    def worst_batches(self, params: dict[str, Any]) -> list[Any]:
+        """The worst padded batches a trial with these params can produce, as its length audit finds them."""
         memory, model = self.config.memory, self.config.model
         source, label = resolve_lengths(
             params.get(SOURCE, memory.max_source_length),
@@ -78,7 +74,15 @@ class MemoryPredictor:
             model.max_positions,
         )
         batch = int(params.get(BATCH, self.config.trainer.batch_size))
-        shapes = self.lengths.worst_batches(batch, source, label, memory.pad_to_multiple_of)
+        return self.lengths.worst_batches(batch, source, label, memory.pad_to_multiple_of)
+
+    def predicted_gib(self, params: dict[str, Any]) -> tuple[float, Any, int] | None:
+        """(peak reserved GiB of the worst batch, calibration, trial it came from), or None without a calibration."""
+        found = self.calibrations.get(self.signature(params))
+        if found is None:
+            return None
+        calibration, source_trial = found
+        shapes = self.worst_batches(params)
         if not shapes:
             return None
         peak = max(calibration.estimate(shape).reserved for shape in shapes)

@@ -4,10 +4,11 @@ the Pareto plot on the parent MLflow run, and for a ladder one summary table ove
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from memfit.config import limit_gib
 from memfit.sweep.outcome import constraint_dict, directions, is_feasible
@@ -19,6 +20,18 @@ log = logging.getLogger("memfit.sweep")
 # H200 (benchmarks/README.md, qwen2.5-1.5B), by a few MB of host RSS on CPU. A best trial closer to its limit than this
 # share of it may be refused by the preflight of a later run from its preset.
 NEAR_LIMIT_SHARE = 0.01
+
+
+@dataclass(frozen=True)
+class SweepView:
+    """What a study's results are read against, fixed when it ends (the sweeper's state is not read)."""
+
+    config: DictConfig
+    objectives: tuple[str, ...]
+    budget_gib: float | None
+    fixed: tuple[str, ...]  # the fixed overrides the trials ran with, which the preset carries
+    effective_batch: int | None
+    preset_dir: str
 
 
 def _dominates(a: list[float], b: list[float], dirs: list[str]) -> bool:
@@ -88,12 +101,12 @@ def near_limit_warning(best: Any, feasible: list[Any], dirs: list[str]) -> str |
     return text
 
 
-def summarise(study: Any, sweep: Any, parent: Any) -> dict[str, Any] | None:
+def summarise(study: Any, view: SweepView, parent: Any) -> dict[str, Any] | None:
     """optimization_results.yaml, the preset of the best feasible trial, the log line a user reads at the end."""
-    names = sweep.objectives
+    names = list(view.objectives)
     dirs = directions(names)
     feasible = [t for t in study.trials if is_feasible(t)]
-    sweep_dir = Path(sweep.config.hydra.sweep.dir)
+    sweep_dir = Path(view.config.hydra.sweep.dir)
     sweep_dir.mkdir(parents=True, exist_ok=True)
     counts = _counts(study)
     results_path = sweep_dir / f"optimization_results-{study.study_name}.yaml"
@@ -103,7 +116,7 @@ def summarise(study: Any, sweep: Any, parent: Any) -> dict[str, Any] | None:
         log.warning(
             "no feasible trial in %d: nothing fits budget.gib=%s in this search space",
             len(study.trials),
-            sweep.budget_gib,
+            view.budget_gib,
         )
         OmegaConf.save(OmegaConf.create({"name": study.study_name, **counts, "best": None}), results_path)
         _link_latest(results_path)
@@ -111,10 +124,10 @@ def summarise(study: Any, sweep: Any, parent: Any) -> dict[str, Any] | None:
     front = pareto_front(feasible, dirs)
     pick = max if dirs[0] == "maximize" else min
     best = pick(front, key=lambda t: t.values[0])  # pareto mode: the front's best in the first objective
-    preset = export_preset(study, best, sweep)
+    preset = export_preset(study, best, view)
     summary = {
         "name": study.study_name,
-        "budget_gib": sweep.budget_gib,
+        "budget_gib": view.budget_gib,
         "objectives": names,
         **counts,
         "best_trial": best.number,
@@ -194,27 +207,27 @@ def preset_settings(fixed: list[str]) -> tuple[dict[str, Any], list[str]]:
     return settings, groups
 
 
-def export_preset(study: Any, best: Any, sweep: Any) -> Path:
+def export_preset(study: Any, best: Any, view: SweepView) -> Path:
     """`# @package _global_` YAML with the settings the best trial ran with: the fixed memory settings of the
     command line, the searched params and the accumulation they imply, and the budget; for +preset=<name>."""
-    cfg = sweep.config
-    settings, groups = preset_settings(sweep.fixed)
+    cfg = view.config
+    settings, groups = preset_settings(list(view.fixed))
     settings.update(best.params)
-    if (accumulation := held_accumulation(settings, sweep.settings.effective_batch)) is not None:
+    if (accumulation := held_accumulation(settings, view.effective_batch)) is not None:
         settings["trainer.gradient_accumulation_steps"] = accumulation
-    settings["budget.gib"] = sweep.budget_gib
+    settings["budget.gib"] = view.budget_gib
     node = OmegaConf.create()
     for key, value in settings.items():
         OmegaConf.update(node, key, value, force_add=True)
     root = Path(cfg.hydra.runtime.cwd)
-    directory = Path(sweep.settings.preset_dir)
+    directory = Path(view.preset_dir)
     directory = directory if directory.is_absolute() else root / directory
     directory.mkdir(parents=True, exist_ok=True)
-    budget = f"{sweep.budget_gib:g}gib" if sweep.budget_gib else "nobudget"
+    budget = f"{view.budget_gib:g}gib" if view.budget_gib else "nobudget"
     path = directory / f"{cfg.model.name}-{cfg.data.name}-{budget}.yaml"
     header = (
         f"# @package _global_\n# Best feasible configuration of study {study.study_name} (trial {best.number}, "
-        f"{sweep.objectives[0]} {best.values[0]:.4g}, worst-case peak "
+        f"{view.objectives[0]} {best.values[0]:.4g}, worst-case peak "
         f"{best.user_attrs.get('worst_case_peak_gib') or float('nan'):.2f} GiB).\n"
         f"# Use: python train.py {' '.join(_use_groups(groups, cfg))} +preset={path.stem}\n"
     )
@@ -254,7 +267,7 @@ def ladder_table(rows: list[tuple[float, dict[str, Any] | None]], effective_batc
     return "\n".join(lines) + "\n"
 
 
-def log_pareto_plot(study: Any, sweep: Any, parent: Any) -> None:
+def log_pareto_plot(study: Any, view: SweepView, parent: Any) -> None:
     """Worst-case peak vs tokens/s for every measured trial, the budget line, label coverage as colour."""
     import tempfile
 
@@ -293,9 +306,9 @@ def log_pareto_plot(study: Any, sweep: Any, parent: Any) -> None:
         ax.scatter(
             [p[0] for p in misses], [0.0] * len(misses), marker="x", color="#c44e52", label="did not fit (no training)"
         )
-    if sweep.budget_gib:
-        limit = limit_gib(sweep.budget_gib, sweep.config.budget.margin_gib)
-        ax.axvline(sweep.budget_gib, color="black", linestyle="--", label=f"budget {sweep.budget_gib:g} GiB")
+    if view.budget_gib:
+        limit = limit_gib(view.budget_gib, view.config.budget.margin_gib)
+        ax.axvline(view.budget_gib, color="black", linestyle="--", label=f"budget {view.budget_gib:g} GiB")
         ax.axvline(limit, color="grey", linestyle=":", label="budget − margin")
     ax.set_xlabel("measured worst-case peak (GiB, reserved)")
     ax.set_ylabel("tokens/s")

@@ -273,8 +273,10 @@ class InProcessTrials:
                 report = job_return.return_value
                 results.append(TrialResult(report, (report or {}).get("reason"), seconds))
             else:
-                error = job_return._return_value
-                results.append(TrialResult(None, f"failed: {type(error).__name__}: {error}", seconds))
+                try:
+                    _ = job_return.return_value  # a failed job's return_value raises the job's exception
+                except Exception as error:  # noqa: BLE001 - a failed trial is a result
+                    results.append(TrialResult(None, f"failed: {type(error).__name__}: {error}", seconds))
         return results
 
     def keep_ready(self, count: int) -> None:

@@ -1,0 +1,57 @@
+"""The sweeper's settings checked once, before anything opens: each setting that cannot run is a one-line
+SweepConfigError naming it and the fix (exit 2)."""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from memfit.sweep.outcome import directions, objective_names
+from memfit.sweep.space import SweepConfigError
+
+ISOLATIONS = ("process", "launcher", "none")
+SAMPLERS = ("tpe", "random")
+
+
+def _positive(name: str, value: float | None, fix: str, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if value is None or value <= 0:
+        raise SweepConfigError(f"hydra.sweeper.{name}={value} must be > 0: {fix}")
+
+
+def check_settings(s: DictConfig) -> list[str]:
+    """Raise on the first setting that cannot run; return the objectives the settings name."""
+    objectives = objective_names(s.objective, list(s.pareto or []))
+    if s.direction and len(objectives) == 1 and s.direction != directions(objectives)[0]:
+        raise SweepConfigError(
+            f"hydra.sweeper.direction={s.direction} contradicts objective={s.objective}, which is "
+            f"{directions(objectives)[0]}d: drop hydra.sweeper.direction or set it to match"
+        )
+    _positive("n_trials", s.n_trials, "set hydra.sweeper.n_trials=8 or another number of trials to run")
+    _positive("n_jobs", s.n_jobs, "set hydra.sweeper.n_jobs=1 (trials launched together)")
+    _positive("trial_timeout_s", s.trial_timeout_s, "give seconds, or null for no timeout", optional=True)
+    _positive("heartbeat_s", s.heartbeat_s, "give seconds, or null for no heartbeat", optional=True)
+    _positive("poll_s", s.poll_s, "give seconds, e.g. 5")
+    for budget in s.budgets or []:
+        _positive("budgets", budget, "give each budget of the ladder in GiB, e.g. [16, 24, 40]")
+    if s.sampler not in SAMPLERS:
+        raise SweepConfigError(f"hydra.sweeper.sampler={s.sampler!r}: use tpe or random")
+    if s.isolation not in ISOLATIONS:
+        raise SweepConfigError(
+            f"hydra.sweeper.isolation={s.isolation!r}: use process (fresh process per trial) or launcher "
+            "(Hydra's configured launcher, e.g. hydra/launcher=submitit_slurm)"
+        )
+    if s.devices and s.isolation != "process":
+        raise SweepConfigError(
+            "hydra.sweeper.devices pins each trial's process to a GPU: it needs hydra.sweeper.isolation=process"
+        )
+    if s.prestart_ahead < 1:
+        raise SweepConfigError(
+            f"hydra.sweeper.prestart_ahead={s.prestart_ahead}: keep at least 1 process ahead per slot, or set "
+            "hydra.sweeper.prestart=false for none"
+        )
+    if s.pin_cores and not s.devices:
+        raise SweepConfigError(
+            "hydra.sweeper.pin_cores gives each device's trials their own cores: it needs hydra.sweeper.devices"
+        )
+    return objectives
