@@ -204,8 +204,9 @@ def measure_model(name: str, checkpointing: bool, args, out: dict, save) -> None
 
     from memfit.data.audit import BatchShape
     from memfit.memory.calibration import calibrate
-    from memfit.memory.model import describe_architecture, model_state_bytes, splits_branches
+    from memfit.memory.model import describe_architecture, splits_branches
     from memfit.memory.probe import probe
+    from memfit.memory.state import model_state_bytes
 
     overrides = [
         f"model={name}",
@@ -290,8 +291,8 @@ def measure_model(name: str, checkpointing: bool, args, out: dict, save) -> None
 def check_8bit_state(args, out: dict, save) -> None:
     """bitsandbytes' 8-bit AdamW state after a real step, against the analytic count."""
     from memfit.data.audit import BatchShape
-    from memfit.memory.model import optimizer_state_bytes
     from memfit.memory.probe import make_batch
+    from memfit.memory.state import optimizer_state_bytes
 
     for name in args.eight_bit:
         cfg = compose(

@@ -98,7 +98,7 @@ def instrumentation_overhead(overrides: list[str], steps: int, repeats: int, sto
     names = list(variants)
     warm = compose([*overrides, "trainer.max_steps=5", "memory.eval_enabled=false"])  # kernels, allocator, caches
     build_trainer(
-        warm,
+        warm.model.task,
         model,
         tokenizer,
         datasets,
@@ -119,7 +119,7 @@ def instrumentation_overhead(overrides: list[str], steps: int, repeats: int, sto
                     _time_hooks(callback, inside[variant])
                 callbacks.append(callback)
             args = training_arguments(cfg, device, f"/tmp/overhead/{variant}", has_eval=False)
-            trainer = build_trainer(cfg, model, tokenizer, datasets, args, collator, callbacks)
+            trainer = build_trainer(cfg.model.task, model, tokenizer, datasets, args, collator, callbacks)
             torch.manual_seed(0)
             trainer.train()
             if tracker:

@@ -182,11 +182,11 @@ def one(args: argparse.Namespace) -> None:
     clocks: list[StepClock] = []
     build = training.build_trainer
 
-    def build_clocked(cfg, model, tokenizer, datasets, targs, collator, callbacks):
+    def build_clocked(task, model, tokenizer, datasets, targs, collator, callbacks):
         clock = StepClock(collator, profile=args.variant == "profile")
         callback = type("StepClockCallback", (training._trainer_callback_base(),), {})()
         callback.on_step_begin, callback.on_step_end = clock.on_step_begin, clock.on_step_end
-        trainer = build(cfg, model, tokenizer, datasets, targs, collator, [*callbacks, callback])
+        trainer = build(task, model, tokenizer, datasets, targs, collator, [*callbacks, callback])
         trainer.training_step = clock.timed_training_step(trainer.training_step)
         clocks.append(clock)
         return trainer

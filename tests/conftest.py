@@ -89,14 +89,16 @@ def train_py_env() -> dict[str, str]:
 
 
 def readme_command(prefix: str) -> list[str]:
-    """The README's shell command starting with `prefix`, continuation lines joined, split as a shell would."""
+    """The first shell command starting with `prefix` in the README, else in a docs/ page (every command a user
+    reads is run by a test), continuation lines joined, split as a shell would."""
     import shlex
 
-    text = (ROOT / "README.md").read_text().replace("\\\n", " ")
-    for line in text.splitlines():
-        if line.strip().startswith(prefix):
-            return shlex.split(line.strip())
-    raise AssertionError(f"README has no command starting with {prefix!r}")
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = page.read_text().replace("\\\n", " ")
+        for line in text.splitlines():
+            if line.strip().startswith(prefix):
+                return shlex.split(line.strip())
+    raise AssertionError(f"neither the README nor docs/ has a command starting with {prefix!r}")
 
 
 # timeout: README runs have taken up to 298 s on an AVX-512 host and over 600 s on 2 cores of an AVX2 EPYC

@@ -7,6 +7,7 @@ before anything is recorded.
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import uuid
@@ -34,6 +35,39 @@ def check_output_dir(output_dir: str, min_free_gib: float) -> list[str]:
             f"output_dir={output_dir} has {free:.2f} GiB free, less than min_free_disk_gib={min_free_gib:g}: "
             "free some disk or choose another output_dir"
         ]
+    return []
+
+
+# SQLAlchemy dialects MLflow's tracking store opens, and its REST schemes; anything else it refuses with a traceback
+TRACKING_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks")
+
+
+def check_tracking_uri(tracking: DictConfig) -> list[str]:
+    """A tracking.uri MLflow can use: not MLflow 2's file store (maintenance mode in MLflow 3), a sqlite file in a
+    directory that exists and can be written, a scheme MLflow knows."""
+    uri = tracking.uri
+    if tracking.backend == "none" or not uri:
+        return []
+    from memfit.tracking import mask_credentials
+
+    scheme = uri.split("://", 1)[0].split("+", 1)[0].lower() if "://" in uri else ""
+    if scheme in ("", "file"):
+        path = Path(uri.removeprefix("file://") if scheme else uri).expanduser().resolve()
+        return [
+            f"tracking.uri={uri} is MLflow's file store, in maintenance mode since MLflow 3: use a sqlite store, "
+            f"e.g. tracking.uri=sqlite:///{path.parent / 'mlflow.db'}"
+        ]
+    if scheme not in TRACKING_SCHEMES:
+        return [
+            f"tracking.uri={mask_credentials(uri)}: MLflow has no '{scheme}' store: use sqlite:///<path>, "
+            "postgresql://..., or http://<server>:5000"
+        ]
+    if scheme == "sqlite":
+        directory = Path(uri.removeprefix("sqlite:///")).parent
+        if not directory.is_dir():
+            return [f"tracking.uri={uri}: the directory {directory} does not exist: create it or point to another"]
+        if not os.access(directory, os.W_OK):
+            return [f"tracking.uri={uri}: the directory {directory} cannot be written: point to a writable one"]
     return []
 
 
@@ -103,7 +137,7 @@ def check_budget(cfg: DictConfig, device: str, device_bytes: int) -> list[str]:
 def check_before_run(cfg: DictConfig) -> None:
     """The checks that need no device: raise ConfigError with every problem."""
     problems = check_output_dir(cfg.output_dir, cfg.min_free_disk_gib)
-    problems += check_tracking_server(cfg)
+    problems += check_tracking_uri(cfg.tracking) or check_tracking_server(cfg)
     problems += check_lora_targets(cfg)
     if problems:
         raise ConfigError(problems)

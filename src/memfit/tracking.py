@@ -191,6 +191,19 @@ class MlflowTracker:
         return True
 
 
+def end_if_running(cfg: DictConfig, run_id: str, status: str, reason: str) -> bool:
+    """End a run whose process could not (a killed or stopped trial), unless it ended itself; without reopening it
+    (a continued MlflowTracker marks its run RUNNING)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri(cfg))
+    if client.get_run(run_id).info.status != "RUNNING":
+        return False
+    client.set_tag(run_id, "memfit.reason", _tag_value(reason))
+    client.set_terminated(run_id, status=status)
+    return True
+
+
 def artifact_location(uri: str, output_dir: str) -> str | None:
     """Artifacts of a local store go under output_dir too (MLflow would put them in ./mlruns of the cwd);
     a tracking server keeps its own artifact root."""
@@ -203,7 +216,24 @@ def tracking_uri(cfg: DictConfig) -> str:
     uri = cfg.tracking.uri or default_tracking_uri(cfg.output_dir)
     if uri.startswith("sqlite:///"):
         Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        _create_sqlite_store(uri)
     return uri
+
+
+_READY_STORES: set[str] = set()
+
+
+def _create_sqlite_store(uri: str) -> None:
+    """Create and migrate a sqlite store once, under a lock beside it: runs started together on a new store would
+    otherwise each run MLflow's schema migration, and all but one fail (`duplicate column name`)."""
+    if uri in _READY_STORES:
+        return
+    from filelock import FileLock
+    from mlflow.tracking import MlflowClient
+
+    with FileLock(uri.removeprefix("sqlite:///") + ".lock"):
+        MlflowClient(tracking_uri=uri).search_experiments(max_results=1)  # opening the store migrates it
+    _READY_STORES.add(uri)
 
 
 def open_run(cfg: DictConfig, run_name: str, tags: dict[str, str], run_id: str | None = None) -> MlflowTracker:

@@ -13,6 +13,7 @@ from memfit.preconditions import (
     check_lora_targets,
     check_output_dir,
     check_tracking_server,
+    check_tracking_uri,
 )
 from tests.conftest import FAST, run_train_py
 
@@ -93,6 +94,8 @@ def test_empty_and_non_utf8_files_are_named(tmp_path, content, expected):
     [
         (["output_dir={blocked}/outputs"], "memfit: error: output_dir={blocked}/outputs is not writable"),
         (["model=tiny_causal", "budget.gib=100000"], "memfit: error: budget.gib=100000 is larger than"),
+        (["tracking.uri=file://{blocked}/mlruns"], "memfit: error: tracking.uri=file://{blocked}/mlruns is MLflow's"),
+        (["tracking.uri=sqlite:////no/such/dir/m.db"], "memfit: error: tracking.uri=sqlite:////no/such/dir/m.db: the"),
     ],
 )
 def test_train_py_stops_with_one_line_before_anything_is_recorded(tmp_path, overrides, expected):
@@ -103,3 +106,27 @@ def test_train_py_stops_with_one_line_before_anything_is_recorded(tmp_path, over
     assert out.returncode == 2, out.stderr[-2000:]
     assert expected.format(blocked=blocked) in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "out" / "mlflow.db").exists()
+
+
+@pytest.mark.parametrize(
+    ("uri", "expected"),
+    [
+        (
+            "file:///data/mlruns",
+            "tracking.uri=file:///data/mlruns is MLflow's file store, in maintenance mode since "
+            "MLflow 3: use a sqlite store, e.g. tracking.uri=sqlite:////data/mlflow.db",
+        ),
+        ("./mlruns", "is MLflow's file store"),
+        ("ftp://me:secret@host/x", "tracking.uri=ftp://me:***@host/x: MLflow has no 'ftp' store"),
+        ("sqlite:////no/such/dir/m.db", "the directory /no/such/dir does not exist"),
+    ],
+)
+def test_a_tracking_uri_mlflow_cannot_use_is_one_line(compose_cfg, uri, expected):
+    (line,) = check_tracking_uri(compose_cfg(f"tracking.uri={uri}").tracking)
+    assert expected in line and "secret" not in line
+
+
+def test_usable_tracking_uris_pass(compose_cfg, tmp_path):
+    for uri in (f"sqlite:///{tmp_path}/m.db", "postgresql+psycopg2://u:p@127.0.0.1/db", "http://127.0.0.1:5000"):
+        assert check_tracking_uri(compose_cfg(f"tracking.uri={uri}").tracking) == []
+    assert check_tracking_uri(compose_cfg("tracking=none", "tracking.uri=file:///x").tracking) == []

@@ -113,3 +113,23 @@ def test_an_unreachable_hub_id_is_one_clear_data_error(compose_cfg):
     cfg = compose_cfg("model=tiny_seq2seq", "data=hub", "data.hub_id=memfit-tests/no-such-dataset")
     with pytest.raises(DataError, match=r"data.hub_id=memfit-tests/no-such-dataset cannot be loaded .*jsonl"):
         load_pairs(cfg.data, cfg.model.task)
+
+
+def test_text_saved_with_a_byte_order_mark_crlf_and_a_trailing_blank_line_is_read(compose_cfg, tmp_path):
+    """What many Windows editors write: a UTF-8 BOM, CRLF line ends, a blank last line (JSONL and CSV)."""
+    from memfit.config import validate
+
+    rows = [("a paper", "its summary"), ("another paper", "another summary")]
+    jsonl = tmp_path / "bom.jsonl"
+    jsonl.write_bytes(
+        b"\xef\xbb\xbf" + b"".join(f'{{"source": "{s}", "target": "{t}"}}\r\n'.encode() for s, t in rows) + b"\r\n"
+    )
+    csv_path = tmp_path / "bom.csv"
+    csv_path.write_bytes(
+        b"\xef\xbb\xbfsource,target\r\n" + b"".join(f"{s},{t}\r\n".encode() for s, t in rows) + b"\r\n"
+    )
+    for fmt, path in (("jsonl", jsonl), ("csv", csv_path)):
+        cfg = compose_cfg(f"data={fmt}", f"data.path={path}", "data.validation_fraction=0")
+        validate(cfg)
+        pairs = load_pairs(cfg.data, cfg.model.task)["train"]
+        assert [(p["source"], p["target"]) for p in pairs] == rows, fmt

@@ -20,8 +20,9 @@ from memfit.memory.calibration import (
     probe_plan,
     wanted,
 )
-from memfit.memory.model import COUNTED_TERMS, WINDOW_TERMS, Architecture, describe_architecture, model_state_bytes
+from memfit.memory.model import COUNTED_TERMS, WINDOW_TERMS, Architecture, describe_architecture
 from memfit.memory.probe import _BranchMarker, probe
+from memfit.memory.state import model_state_bytes
 from tests.conftest import FAST
 from tests.memory.test_preflight import _setup
 

@@ -15,7 +15,6 @@ from memfit.memory.model import (
     Architecture,
     FittedPeak,
     LinearFit,
-    ModelStateBytes,
     decoder_backward_terms,
     decoder_forward_terms,
     describe_architecture,
@@ -26,11 +25,10 @@ from memfit.memory.model import (
     head_terms,
     largest_batch,
     logits_bytes,
-    model_state_bytes,
-    optimizer_state_bytes,
     shape_terms,
     splits_branches,
 )
+from memfit.memory.state import ModelStateBytes, model_state_bytes, optimizer_state_bytes
 from tests.conftest import FAST
 
 

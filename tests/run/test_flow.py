@@ -164,3 +164,25 @@ def test_a_killed_run_resumes_from_its_checkpoint_in_the_same_mlflow_run(tmp_pat
     expected = {m.step: m.value for m in reference_client.get_metric_history(reference[0].info.run_id, "train/loss")}
     assert sorted(loss) == [1, 2, 3, 4, 5, 6]
     assert [loss[s] for s in (3, 4, 5, 6)] == pytest.approx([expected[s] for s in (3, 4, 5, 6)], rel=1e-5)
+
+
+def test_sigterm_ends_the_run_killed_with_its_metrics_and_it_resumes(tmp_path, monkeypatch):
+    """SIGTERM (a preemption, docker stop) at the end of step 4, after the step-2 checkpoint: exit 143 with one line,
+    the run KILLED with the signal as its reason, and step 3's metrics, buffered since the checkpoint wrote steps 1-2,
+    flushed; trainer.resume=true continues it from checkpoint-2 to the end."""
+    common = [*FAST, "trainer.max_steps=5", "trainer.save_steps=2", "tracking.run_name=preempted"]
+    monkeypatch.setenv("MEMFIT_FAULTS", "preempted=term@4")
+    stopped = run_train_py(*common, f"output_dir={tmp_path}")
+    monkeypatch.delenv("MEMFIT_FAULTS")
+    assert stopped.returncode == 143, stopped.stderr[-2000:]
+    assert "Traceback" not in stopped.stderr
+    assert stopped.stderr.strip().splitlines()[-1].startswith("memfit: stopped by SIGTERM: the run ended KILLED")
+    client, (run,) = _runs(tmp_path)
+    assert run.info.status == "KILLED" and "stopped by SIGTERM" in run.data.tags["memfit.reason"]
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
+    assert steps == [1, 2, 3]  # step 4 was cut short before it was logged
+
+    resumed = run_train_py(*common, "trainer.resume=true", f"output_dir={tmp_path}")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    client, (run,) = _runs(tmp_path)
+    assert run.info.status == "FINISHED" and run.data.tags["memfit.resumed_from"] == "checkpoint-2"

@@ -595,6 +595,51 @@ def test_faults_in_trials_and_a_killed_sweeper_lose_nothing(tmp_path):
     assert by_trial[6].info.status == "FINISHED" and "train/loss" in by_trial[6].data.metrics
 
 
+def test_sigterm_stops_a_sweep_recording_its_trial_interrupted_and_the_rerun_measures_it(tmp_path):
+    """SIGTERM to the sweeper mid-trial: the trial process is stopped too and ends its MLflow run KILLED, the trial is
+    FAIL `interrupted` with its configuration queued again, the sweep's run ends KILLED, and the sweeper exits 143;
+    rerunning the command measures the queued configuration."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, train_py_env
+
+    args = [*SMALL_SWEEP, f"output_dir={tmp_path}", "hydra.sweeper.n_trials=1", f"hydra.sweep.dir={tmp_path}/sweep"]
+    args.append(f"hydra.sweeper.preset_dir={tmp_path}/preset")
+    name, storage = "memfit-tiny_seq2seq-aclsum-nobudget", f"sqlite:///{tmp_path}/optuna.db"
+    command = [sys.executable, str(ROOT / "train.py"), *args]
+    sweeper = subprocess.Popen(command, cwd=ROOT, env=train_py_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        _wait_for_running_trial(storage, name, 0, sweeper)
+        sweeper.send_signal(signal.SIGTERM)
+        stderr = sweeper.communicate(timeout=120)[1].decode()
+    finally:
+        sweeper.kill()
+    assert sweeper.returncode == 143, stderr[-3000:]
+    assert "Traceback" not in stderr and "memfit: the sweep was stopped by SIGTERM" in stderr
+
+    study = optuna.load_study(study_name=name, storage=storage)
+    first = study.trials[0]
+    assert first.state == optuna.trial.TrialState.FAIL and first.user_attrs["status"] == "interrupted"
+    assert "stopped by SIGTERM" in first.user_attrs["reason"]
+    queued = [t for t in study.trials if t.state == optuna.trial.TrialState.WAITING]
+    assert [t.user_attrs["retry_of"] for t in queued] == [0]
+    client = MlflowClient(default_tracking_uri(str(tmp_path)))
+    runs = client.search_runs([client.get_experiment_by_name("memfit").experiment_id])
+    assert not [r for r in runs if r.info.status == "RUNNING"]
+    (parent,) = [r for r in runs if "memfit.sweep" in r.data.tags]
+    assert parent.info.status == "KILLED" and "stopped by SIGTERM" in parent.data.tags["memfit.reason"]
+    (trial_run,) = [r for r in runs if r.data.tags.get("memfit.trial") == "0"]
+    assert trial_run.info.status == "KILLED" and "SIGTERM" in trial_run.data.tags["memfit.reason"]
+
+    again = subprocess.run(command, cwd=ROOT, env=train_py_env(), capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    study = optuna.load_study(study_name=name, storage=storage)
+    retried = [t for t in study.trials if t.user_attrs.get("retry_of") == 0]
+    assert len(retried) == 1 and retried[0].state == optuna.trial.TrialState.COMPLETE
+
+
 IN_PROCESS = [
     "hydra.sweeper.isolation=none",  # these tests are about the search, not isolation: no process start per trial
 ]

@@ -29,3 +29,46 @@ def test_tags_are_written_in_batches_masked_and_all_kept(tmp_path):
     tags = MlflowClient(uri).get_run(tracker.run_id).data.tags
     assert tags["memfit.store"] == "postgresql://me:***@db/x"
     assert all(tags[f"memfit.tag{i}"] == str(i) for i in range(150))
+
+
+ONE_RUN = """
+import sys, time
+from pathlib import Path
+from omegaconf import OmegaConf
+from memfit.tracking import start_tracking
+
+out, go, name = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+cfg = OmegaConf.create({"output_dir": out, "tracking": {"backend": "mlflow", "uri": None, "experiment": "memfit",
+                        "parent_run_id": None, "run_id": None}})
+while not go.exists():  # start together
+    time.sleep(0.01)
+tracker = start_tracking(cfg, name, {"memfit.test": "concurrent"})
+for step in range(1, 21):
+    tracker.log_metrics({"train/loss": 1.0 / step, "mem/peak_allocated_gib": 0.1}, step=step)
+tracker.finish("FINISHED")
+"""
+
+
+def test_four_runs_started_together_on_a_new_sqlite_store_all_finish(tmp_path):
+    """The store does not exist yet: one process creates and migrates it under a lock, the others wait for it."""
+    import subprocess
+    import sys
+
+    from mlflow.tracking import MlflowClient
+
+    from memfit.tracking import default_tracking_uri
+
+    go = tmp_path / "go"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", ONE_RUN, str(tmp_path), str(go), f"run-{i}"], stderr=subprocess.PIPE)
+        for i in range(4)
+    ]
+    go.touch()
+    errors = [proc.communicate(timeout=120)[1].decode() for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0, 0, 0], errors
+    client = MlflowClient(default_tracking_uri(str(tmp_path)))
+    runs = client.search_runs([client.get_experiment_by_name("memfit").experiment_id])
+    assert sorted(r.info.run_name for r in runs) == [f"run-{i}" for i in range(4)]
+    assert all(r.info.status == "FINISHED" for r in runs)
+    for run in runs:
+        assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == list(range(1, 21))

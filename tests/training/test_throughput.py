@@ -21,7 +21,7 @@ def _trainer_epoch(cfg, tmp_path):
     model = build_model(cfg, tokenizer, "cpu").model
     collator = CountingCollator(tokenizer, cfg.memory.pad_to_multiple_of, cfg.model.task)
     args = training_arguments(cfg, "cpu", str(tmp_path / "trainer"), has_eval=False)
-    trainer = build_trainer(cfg, model, tokenizer, datasets, args, collator, [])
+    trainer = build_trainer(cfg.model.task, model, tokenizer, datasets, args, collator, [])
     for _ in trainer.get_train_dataloader():
         collator.consume()
     return collator, datasets["train"]

@@ -23,13 +23,16 @@ class MemfitSweeper(Sweeper):
             self._impl.setup(hydra_context=hydra_context, task_function=task_function, config=config)
 
     def sweep(self, arguments: list[str]) -> Any:
-        with _one_line_errors():
+        from memfit.run.signals import stop_on_signals
+
+        with _one_line_errors(), stop_on_signals():
             return self._impl.sweep(arguments)
 
 
 @contextlib.contextmanager
 def _one_line_errors() -> Iterator[None]:
     """A bad sweep setting: `memfit: error: <field>: <fix>` and exit 2, not a traceback."""
+    from memfit.run.signals import Stopped
     from memfit.sweep.space import SweepConfigError
 
     try:
@@ -37,3 +40,6 @@ def _one_line_errors() -> Iterator[None]:
     except SweepConfigError as error:
         print(f"memfit: error: {error}", file=sys.stderr)
         sys.exit(2)
+    except Stopped as stop:  # the sweep's MLflow run ended KILLED, its running trials recorded as interrupted
+        print(f"memfit: the sweep was {stop}: rerun the same command to resume it", file=sys.stderr)
+        sys.exit(stop.exit_code)

@@ -20,10 +20,10 @@ def _file_columns(fmt: str, path: Path) -> list[str]:
         with path.open("rb") as fh:
             for raw in fh:
                 if raw.strip():
-                    return list(json.loads(raw.decode("utf-8")).keys())
+                    return list(json.loads(raw.decode("utf-8-sig")).keys())
         return []
     if fmt == "csv":
-        with path.open(newline="", encoding="utf-8") as fh:
+        with path.open(newline="", encoding="utf-8-sig") as fh:
             return next(csv.reader(fh), [])
     import pyarrow.parquet as pq
 

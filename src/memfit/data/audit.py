@@ -98,11 +98,6 @@ def label_coverage(label_raw: np.ndarray, max_label: int) -> float:
     return float(np.minimum(label_raw, max_label).sum() / total) if total else 1.0
 
 
-def _input_lengths(source: np.ndarray, label: np.ndarray, task: str) -> np.ndarray:
-    """What the collator pads `input_ids` to: the source (seq2seq) or prompt+response (causal)."""
-    return source + label if task == "causal" else source
-
-
 def worst_batches(
     source: np.ndarray, label: np.ndarray, batch: int, task: str, multiple: int | None
 ) -> list[BatchShape]:

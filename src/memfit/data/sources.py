@@ -42,7 +42,7 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
             if not raw.strip():
                 continue
             try:
-                records.append(json.loads(raw.decode("utf-8")))
+                records.append(json.loads(raw.decode("utf-8-sig")))  # a BOM, as Windows editors write
             except UnicodeDecodeError:
                 raise DataError(f"data.path={path} line {number} is not UTF-8: re-encode the file as UTF-8") from None
             except json.JSONDecodeError as err:
@@ -56,7 +56,7 @@ def _read_table(fmt: str, path: Path) -> list[dict[str, Any]]:
     if fmt == "jsonl":
         return _read_jsonl(path)
     if fmt == "csv":
-        with path.open(newline="", encoding="utf-8") as fh:
+        with path.open(newline="", encoding="utf-8-sig") as fh:  # a BOM, as Windows editors write
             return list(csv.DictReader(fh))
     import pyarrow.parquet as pq
 

@@ -1,6 +1,6 @@
 """Calibration of the memory model's per-token part: four cheap probes on the device, one per fitted term, fitted
 by least squares, cached per (model architecture, memory policy, device, library versions) so a sweep pays it once.
-Where a step peaks in one of six windows (memory_model.splits_branches: T5 under gradient checkpointing), each
+Where a step peaks in one of six windows (memory.model.splits_branches: T5 under gradient checkpointing), each
 probe measures the stacks' and the head's forward and backward apart, and each window is fitted alone.
 
 A probe is the preflight's own measurement (forward, backward and optimizer steps on a batch of exactly that
@@ -31,7 +31,6 @@ from memfit.memory.model import (
     Architecture,
     FittedPeak,
     LinearFit,
-    ModelStateBytes,
     PeakEstimate,
     estimate_peak,
     fit_terms,
@@ -40,6 +39,7 @@ from memfit.memory.model import (
     splits_branches,
     window_terms,
 )
+from memfit.memory.state import ModelStateBytes
 
 log = logging.getLogger(__name__)
 
@@ -249,7 +249,7 @@ def _measure(
 
 
 def _fit_windows(arch: Architecture, measured: list[dict[str, Any]], branches: bool) -> dict[str, LinearFit]:
-    """One fit per window of the step (memory_model.WINDOW_TERMS where it splits), T5's position biases counted."""
+    """One fit per window of the step (memory.model.WINDOW_TERMS where it splits), T5's position biases counted."""
 
     def fit(window: str, peak: str) -> LinearFit:
         terms = window_terms(window)

@@ -11,7 +11,8 @@ from typing import Any
 
 from memfit.config import GIB
 from memfit.data.audit import BatchShape
-from memfit.memory.model import ModelStateBytes, PeakEstimate
+from memfit.memory.model import PeakEstimate
+from memfit.memory.state import ModelStateBytes
 
 
 def size(count: float) -> str:

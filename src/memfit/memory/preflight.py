@@ -137,6 +137,37 @@ def _shortened(shape: BatchShape, name: str, length: int, task: str) -> BatchSha
     return replace(shape, **{name: length})
 
 
+def _smaller_batch(
+    shape: BatchShape, batch: int, accumulation: int, expected: Callable[[BatchShape], float], limit: int, how: str
+) -> tuple[float, str] | None:
+    """The largest smaller batch expected to fit (or batch 1), at the same effective batch: (expected peak, text)."""
+    effective = batch * accumulation
+    for smaller in range(batch - 1, 0, -1):
+        peak = expected(replace(shape, batch=smaller))
+        if peak <= limit or smaller == 1:
+            text = (
+                f"trainer.batch_size={smaller} trainer.gradient_accumulation_steps={math.ceil(effective / smaller)}"
+                f" (same effective batch {effective}; expected peak ~{peak / GIB:.1f} GiB, {how})"
+            )
+            return peak, text
+    return None
+
+
+def _shorter(
+    shape: BatchShape, name: str, task: str, limit: int, peak: int, per_token: float, predict: Any
+) -> tuple[int, float]:
+    """(the shorter length for `name`, the bytes it saves): the longest multiple of 8 the memory model fits, or,
+    without one, the cut that removes the excess at the measured bytes per token."""
+    current = getattr(shape, name)
+    if predict:
+        fitting = (n for n in range(current - 8, 7, -8) if predict(_shortened(shape, name, n, task)) <= limit)
+        shorter = next(fitting, 8)
+        return shorter, peak - predict(_shortened(shape, name, shorter, task))
+    need = peak - limit
+    shorter = max(8, current - math.ceil(need / per_token) if need > 0 else current // 2)
+    return shorter, per_token * (current - shorter)
+
+
 def suggest(
     report_probes: list[Probe],
     limit: int,
@@ -157,48 +188,30 @@ def suggest(
     reserved bytes) smaller batches and lengths are judged by it; without, activation memory is taken as
     proportional to the batch's tokens, on top of the static part (weights + optimizer state) the probe measured."""
     worst = max(report_probes, key=lambda p: p.judged_bytes)
-    peak = worst.judged_bytes
+    peak, shape = worst.judged_bytes, worst.shape
     static = worst.static_bytes or 0
     activations = max(peak - static, 1)
-    need = peak - limit
-    shape = worst.shape
-    source = "memory model" if predict else "scaled from the measured peak"
     ranked: list[tuple[float, str]] = []
-    effective = batch * accumulation
-    for smaller in range(batch - 1, 0, -1):
-        expected = predict(replace(shape, batch=smaller)) if predict else static + activations * smaller / batch
-        if expected <= limit or smaller == 1:
-            ranked.append(
-                (
-                    peak - expected,
-                    f"trainer.batch_size={smaller} trainer.gradient_accumulation_steps="
-                    f"{math.ceil(effective / smaller)} (same effective batch {effective}; expected peak "
-                    f"~{expected / GIB:.1f} GiB, {source})",
-                )
-            )
-            break
+
+    def expected(smaller: BatchShape) -> float:
+        return predict(smaller) if predict else static + activations * smaller.batch / batch
+
+    how = "memory model" if predict else "scaled from the measured peak"
+    if (found := _smaller_batch(shape, batch, accumulation, expected, limit, how)) is not None:
+        ranked.append((peak - found[0], found[1]))
     per_token = activations / (shape.source + shape.label)
-    lengths = [("label", "memory.max_label_length", shape.label, label_raw, max_label)]
+    lengths = [("label", "memory.max_label_length", label_raw, max_label)]
     if task == "seq2seq":
-        lengths.append(("source", "memory.max_source_length", shape.source, source_raw, max_source))
-    for name, knob, current, raw, configured in lengths:
+        lengths.append(("source", "memory.max_source_length", source_raw, max_source))
+    for name, knob, raw, configured in lengths:
+        current = getattr(shape, name)
         if current <= 16:
             continue
-        if predict:
-            shorter = next(
-                (n for n in range(current - 8, 7, -8) if predict(_shortened(shape, name, n, task)) <= limit), 8
-            )
-            saving = peak - predict(_shortened(shape, name, shorter, task))
-        else:
-            shorter = max(8, current - math.ceil(need / per_token) if need > 0 else current // 2)
-            saving = per_token * (current - shorter)
+        shorter, saving = _shorter(shape, name, task, limit, peak, per_token, predict)
         if shorter < current:
+            kept = f"keeps {label_coverage(raw, shorter):.1%} of {name} tokens"
             ranked.append(
-                (
-                    saving,
-                    f"{knob}={shorter} (keeps {label_coverage(raw, shorter):.1%} of {name} tokens; "
-                    f"{configured} keeps {label_coverage(raw, configured):.1%})",
-                )
+                (saving, f"{knob}={shorter} ({kept}; {configured} keeps {label_coverage(raw, configured):.1%})")
             )
     if not memory.gradient_checkpointing:
         ranked.append(
@@ -208,12 +221,9 @@ def suggest(
             )
         )
     if memory.optimizer == "adamw":
+        state = f"{8 * trainable_params / GIB:.2f} GiB of state for {trainable_params / 1e6:.0f}M params"
         ranked.append(
-            (
-                6.0 * trainable_params,
-                "memory.optimizer=adamw_8bit on GPU, or adafactor (AdamW keeps "
-                f"{8 * trainable_params / GIB:.2f} GiB of state for {trainable_params / 1e6:.0f}M params)",
-            )
+            (6.0 * trainable_params, f"memory.optimizer=adamw_8bit on GPU, or adafactor (AdamW keeps {state})")
         )
     if task == "causal" and not lora_enabled:
         ranked.append((0.0, "model.lora.enabled=true, or memory=qlora for 4-bit base weights"))

@@ -235,10 +235,72 @@ def _free(device: str) -> None:
         torch.cuda.empty_cache()
 
 
+def _train_steps(setup: ProbeSetup, shape: BatchShape, batch: dict[str, Any], optimizer: Any, marker: Any) -> Probe:
+    """`setup.steps` optimizer steps on the batch, each over two micro-batches when training accumulates gradients
+    (so a forward runs while gradients are held); the forward + backward peak and the optimizer step's apart."""
+    backward = step = MemoryPeak(0, 0)
+    start = time.perf_counter()
+    step_seconds = []
+    for _ in range(setup.steps):
+        began = time.perf_counter()
+        setup.meter.reset_window()
+        for _ in range(min(setup.accumulation, 2)):  # the second micro-batch runs on top of held grads
+            with _autocast(setup.device, setup.precision):
+                loss = setup.model(**batch).loss
+            if marker is not None:
+                marker.forward_done()
+            loss.backward()
+            del loss
+            if marker is not None:
+                backward = backward.max(marker.backward_done())
+        backward = backward.max(setup.meter.window_peak())
+        setup.meter.reset_window()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step = step.max(setup.meter.window_peak())
+        _synchronize(setup.device)
+        step_seconds.append(time.perf_counter() - began)
+    static = setup.meter.current_bytes()  # weights + optimizer state (on CPU: the whole process)
+    elapsed = time.perf_counter() - start
+    return Probe(
+        shape,
+        "train",
+        backward.max(step),
+        static,
+        seconds=elapsed,
+        backward_peak=backward,
+        step_peak=step,
+        step_seconds=tuple(step_seconds),
+        branch_peaks=marker.close() if marker is not None else None,
+    )
+
+
+def _eval_forward(setup: ProbeSetup, shape: BatchShape, static: int) -> Probe:
+    """An eval forward with the optimizer state still held, as in training; generation too where evaluation
+    generates (as Seq2SeqTrainer does: every row to the label length)."""
+    import torch
+
+    batch = make_batch(shape, setup.collator, setup.task, setup.vocab_size, setup.device)
+    setup.model.eval()
+    setup.meter.reset_window()
+    start = time.perf_counter()
+    with torch.no_grad(), _autocast(setup.device, setup.precision):
+        setup.model(**batch)
+        if setup.generate:
+            setup.model.generate(
+                input_ids=batch["input_ids"],
+                attention_mask=batch["attention_mask"],
+                max_new_tokens=shape.label,
+                min_new_tokens=shape.label,
+                num_beams=1,
+                do_sample=False,
+            )
+    return Probe(shape, "eval", setup.meter.window_peak(), static, seconds=time.perf_counter() - start)
+
+
 def probe(setup: ProbeSetup, shape: BatchShape, eval_shape: BatchShape | None = None) -> list[Probe]:
-    """`setup.steps` optimizer steps on `shape` (each over two micro-batches when training accumulates gradients,
-    so a forward runs while gradients are held), then optionally an eval forward with the optimizer state still
-    held, as in training. Weights and RNG are restored afterwards."""
+    """Training steps on `shape` (_train_steps), then optionally an eval forward on `eval_shape`; an OOM ends the
+    probe with what was attempted. Weights and RNG are restored afterwards."""
     import torch
 
     preserved = _Preserved(setup.model)
@@ -250,68 +312,13 @@ def probe(setup: ProbeSetup, shape: BatchShape, eval_shape: BatchShape | None = 
         batch = make_batch(shape, setup.collator, setup.task, setup.vocab_size, setup.device)
         setup.model.train()
         optimizer = setup.make_optimizer()
-        backward = step = MemoryPeak(0, 0)
         marker = _BranchMarker(setup.model, setup.meter) if setup.split_branches else None
-        start = time.perf_counter()
-        step_seconds = []
-        for _ in range(setup.steps):
-            began = time.perf_counter()
-            setup.meter.reset_window()
-            for _ in range(min(setup.accumulation, 2)):  # the second micro-batch runs on top of held grads
-                with _autocast(setup.device, setup.precision):
-                    loss = setup.model(**batch).loss
-                if marker is not None:
-                    marker.forward_done()
-                loss.backward()
-                del loss
-                if marker is not None:
-                    backward = backward.max(marker.backward_done())
-            backward = backward.max(setup.meter.window_peak())
-            setup.meter.reset_window()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            step = step.max(setup.meter.window_peak())
-            _synchronize(setup.device)
-            step_seconds.append(time.perf_counter() - began)
-        static = setup.meter.current_bytes()  # weights + optimizer state (on CPU: the whole process)
-        elapsed = time.perf_counter() - start
-        branches = marker.close() if marker is not None else None
-        marker = None
-        results.append(
-            Probe(
-                shape,
-                "train",
-                backward.max(step),
-                static,
-                seconds=elapsed,
-                backward_peak=backward,
-                step_peak=step,
-                step_seconds=tuple(step_seconds),
-                branch_peaks=branches,
-            )
-        )
+        results.append(_train_steps(setup, shape, batch, optimizer, marker))
+        marker = None  # closed by _train_steps
         del batch
         if eval_shape is not None:
             phase, current = "eval", eval_shape
-            batch = make_batch(eval_shape, setup.collator, setup.task, setup.vocab_size, setup.device)
-            setup.model.eval()
-            setup.meter.reset_window()
-            start = time.perf_counter()
-            with torch.no_grad(), _autocast(setup.device, setup.precision):
-                setup.model(**batch)
-                if setup.generate:  # as Seq2SeqTrainer evaluates: generate every row to the label length
-                    length = eval_shape.label
-                    setup.model.generate(
-                        input_ids=batch["input_ids"],
-                        attention_mask=batch["attention_mask"],
-                        max_new_tokens=length,
-                        min_new_tokens=length,
-                        num_beams=1,
-                        do_sample=False,
-                    )
-            results.append(
-                Probe(eval_shape, "eval", setup.meter.window_peak(), static, seconds=time.perf_counter() - start)
-            )
+            results.append(_eval_forward(setup, eval_shape, results[0].static_bytes))
     except torch.OutOfMemoryError as err:
         in_use = setup.meter.current_bytes()
         results.append(Probe(current, phase, None, attempted_bytes=_attempted_bytes(err, in_use)))

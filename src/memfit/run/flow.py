@@ -12,6 +12,7 @@ from memfit.memory.policy import apply_allocator_env, fall_back_to_fp32_on_slow_
 from memfit.run.context import RunContext, StartupClock, TrainingSetup, WorstCase
 from memfit.run.identity import find_resume_point, remember_run, run_name, run_tags
 from memfit.run.report import OutOfMemoryInTraining, RunReport, is_oom
+from memfit.run.signals import Stopped
 from memfit.run.train_phase import prepare_training, train
 from memfit.run.worst_case import calibration_path, estimate, run_preflight
 
@@ -129,6 +130,9 @@ def _ended_by(err: BaseException) -> tuple[str, str]:
     """(status, reason) of a run that an exception ended."""
     from memfit.training.trainer import NonFiniteLoss
 
+    if isinstance(err, KeyboardInterrupt):
+        how = err.name if isinstance(err, Stopped) else "SIGINT"
+        return "interrupted", f"killed: stopped by {how}; a checkpointed run continues with trainer.resume=true"
     status = "oom" if is_oom(err) else "nan_loss" if isinstance(err, NonFiniteLoss) else "failed"
     first_line = str(err).splitlines()[0] if str(err) else ""
     if isinstance(err, OutOfMemoryInTraining | NonFiniteLoss):

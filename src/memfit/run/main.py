@@ -13,6 +13,7 @@ from memfit.config import ConfigError
 from memfit.data import DataError
 from memfit.run.flow import run
 from memfit.run.report import EXIT_BAD_INPUT, EXIT_PREFLIGHT_FAILED, EXIT_RUN_FAILED, RunReport
+from memfit.run.signals import Stopped, stop_on_signals
 
 
 def _write_report(report: RunReport) -> None:
@@ -35,7 +36,15 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     """The Hydra task. Bad input: one line per problem, exit 2. Preflight does not fit: exit 3. A failed run: exit 1
     (in a single run; in a multirun the report goes back to the sweeper and the sweep goes on)."""
     try:
-        report = run(cfg)
+        with stop_on_signals():
+            report = run(cfg)
+    except Stopped as err:  # recorded KILLED in MLflow by run(), its metrics flushed
+        _write_report(RunReport(status="interrupted", reason=f"killed: {err}"))
+        print(
+            f"memfit: {err}: the run ended KILLED (rerun with trainer.resume=true to continue a checkpointed run)",
+            file=sys.stderr,
+        )
+        sys.exit(err.exit_code)
     except (ConfigError, DataError) as err:
         for line in str(err).splitlines():
             print(f"memfit: error: {line}", file=sys.stderr)

@@ -57,7 +57,8 @@ def budget_and_limit(ctx: RunContext) -> tuple[int, int]:
 def calibrate(ctx: RunContext, setup: TrainingSetup, probes: Any) -> Any:
     """The memory model for this run (cached, or fitted now from a few probes), or None where it is not wanted."""
     from memfit.memory.calibration import cached, calibrate, calibration_shapes, wanted
-    from memfit.memory.model import describe_architecture, model_state_bytes
+    from memfit.memory.model import describe_architecture
+    from memfit.memory.state import model_state_bytes
     from memfit.progress import progress_bar
 
     cfg = ctx.cfg
@@ -117,7 +118,8 @@ def _log_prediction(ctx: RunContext, calibration: Any, worst: Any) -> float | No
 def estimate(ctx: RunContext, setup: TrainingSetup) -> RunReport:
     """estimate_only=true: the memory model's prediction for this config, printed and recorded; no training."""
     from memfit.memory.estimate import estimate
-    from memfit.memory.model import describe_architecture, model_state_bytes
+    from memfit.memory.model import describe_architecture
+    from memfit.memory.state import model_state_bytes
 
     cfg, model = ctx.cfg, setup.built.model
     budget, limit = budget_and_limit(ctx)

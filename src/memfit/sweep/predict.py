@@ -16,8 +16,8 @@ from typing import Any
 from omegaconf import DictConfig
 
 from memfit.config import GIB, limit_gib, resolve_lengths
-from memfit.sweep.screen import DataLengths
-from memfit.sweep.space import held_accumulation
+from memfit.sweep.screen import DataLengths, coverage_screen, data_lengths
+from memfit.sweep.space import SweepConfigError, held_accumulation
 
 log = logging.getLogger("memfit.sweep")
 
@@ -111,3 +111,23 @@ class MemoryPredictor:
             "calibration_from": source_trial,
         }
         return attrs, {"memory_gib": gib - limit}
+
+
+def screen_data(space: dict[str, Any], config: DictConfig, settings: DictConfig) -> tuple[Any, Any]:
+    """(coverage screen, memory predictor) from the data's lengths, either None where it does not apply: label
+    coverage per label length, and the worst batches the memory model predicts. A fixed label length below the
+    coverage floor is a SweepConfigError: no trial could be feasible."""
+    if settings.coverage_floor <= 0 and settings.predict_margin is None:
+        return None, None
+    lengths = data_lengths(space, config)
+    screen = coverage_screen(lengths, space, config, settings.coverage_floor)
+    predictor = None
+    if lengths is not None and settings.predict_margin is not None:
+        predictor = MemoryPredictor(lengths, config, settings.predict_margin, settings.effective_batch)
+    if screen is not None and LABEL not in space and (coverage := screen.below_floor({})):
+        raise SweepConfigError(
+            f"memory.max_label_length={screen.fixed_label} keeps {coverage:.2%} of label tokens, below "
+            f"hydra.sweeper.coverage_floor={settings.coverage_floor:g}, so no trial could be feasible: "
+            "search memory.max_label_length with choice(...) or lower the floor"
+        )
+    return screen, predictor

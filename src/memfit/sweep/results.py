@@ -101,6 +101,24 @@ def near_limit_warning(best: Any, feasible: list[Any], dirs: list[str]) -> str |
     return text
 
 
+def _log_best(best: Any, names: list[str], preset: Path, results_path: Path, front: int) -> None:
+    """The line a user reads at the end of a sweep."""
+    log.info(
+        "best feasible trial %d: %s = %s, worst-case peak %.2f GiB, %.0f tokens/s, label coverage %.1f%%, "
+        "params %s; preset written to %s (load it with: python train.py +preset=%s)%s",
+        best.number,
+        names[0],
+        f"{best.values[0]:.4g}",
+        best.user_attrs.get("worst_case_peak_gib") or float("nan"),
+        best.user_attrs.get("tokens_per_s") or 0.0,
+        100 * (best.user_attrs.get("label_coverage") or 0),
+        best.params,
+        preset,
+        preset.stem,
+        f"; Pareto front of {front} trials in {results_path}" if len(names) > 1 else "",
+    )
+
+
 def summarise(study: Any, view: SweepView, parent: Any) -> dict[str, Any] | None:
     """optimization_results.yaml, the preset of the best feasible trial, the log line a user reads at the end."""
     names = list(view.objectives)
@@ -154,20 +172,7 @@ def summarise(study: Any, view: SweepView, parent: Any) -> dict[str, Any] | None
         )
         parent.set_tags({"memfit.best_trial": str(best.number), "memfit.preset": str(preset)})
         parent.log_artifact(str(results_path))
-    log.info(
-        "best feasible trial %d: %s = %s, worst-case peak %.2f GiB, %.0f tokens/s, label coverage %.1f%%, "
-        "params %s; preset written to %s (load it with: python train.py +preset=%s)%s",
-        best.number,
-        names[0],
-        f"{best.values[0]:.4g}",
-        best.user_attrs.get("worst_case_peak_gib") or float("nan"),
-        best.user_attrs.get("tokens_per_s") or 0.0,
-        100 * (best.user_attrs.get("label_coverage") or 0),
-        best.params,
-        preset,
-        preset.stem,
-        f"; Pareto front of {len(front)} trials in {results_path}" if len(names) > 1 else "",
-    )
+    _log_best(best, names, preset, results_path, len(front))
     if warning := near_limit_warning(best, feasible, dirs):
         log.warning(warning)
     return summary

@@ -54,12 +54,12 @@ def child_run(config: DictConfig, parent: Any, trial: Any) -> Any:
 
 
 def close_trial_run(config: DictConfig, frozen: Any, status: str, reason: str) -> None:
-    """End the MLflow run of a trial whose process could not (killed, interrupted)."""
+    """End the MLflow run of a trial whose process could not (killed, interrupted), unless it ended it itself."""
     run_id = frozen.user_attrs.get("run_id")
     if run_id and config.tracking.backend != "none":
-        from memfit.tracking import open_run
+        from memfit.tracking import end_if_running
 
-        open_run(config, f"trial-{frozen.number}", {}, run_id=run_id).finish(status, reason)
+        end_if_running(config, run_id, status, reason)
 
 
 def record_outcome(child: Any, outcome: TrialOutcome, objectives: list[str]) -> None:

@@ -95,16 +95,15 @@ def open_study(
     parallel = max(settings.n_jobs, len(settings.devices or []))
     for attempt in range(attempts):
         try:
-            if url.startswith("sqlite:///"):
-                Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-            storage = _storage(url, settings.heartbeat_s, on_stale)
-            study = optuna.create_study(
-                study_name=name,
-                storage=storage,
-                sampler=make_sampler(settings.sampler, worker_seed(settings), settings.n_trials, parallel),
-                directions=directions,
-                load_if_exists=True,
-            )
+            with _creating(url):
+                storage = _storage(url, settings.heartbeat_s, on_stale)
+                study = optuna.create_study(
+                    study_name=name,
+                    storage=storage,
+                    sampler=make_sampler(settings.sampler, worker_seed(settings), settings.n_trials, parallel),
+                    directions=directions,
+                    load_if_exists=True,
+                )
             return study, storage
         except ValueError as err:  # an existing study with other directions
             raise SweepConfigError(
@@ -121,6 +120,21 @@ def open_study(
                 " check the URL, the server and its credentials, or leave storage null for sqlite under output_dir"
             ) from None
     raise AssertionError("unreachable")
+
+
+@contextmanager
+def _creating(url: str) -> Iterator[None]:
+    """A sqlite study's tables are created (and migrated) by one sweeper at a time, under a lock beside the file;
+    PostgreSQL's races are retried instead (open_study)."""
+    if not url.startswith("sqlite:///"):
+        yield
+        return
+    from filelock import FileLock
+
+    path = Path(url.removeprefix("sqlite:///"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{path}.lock"):
+        yield
 
 
 def trial_id(storage: Any, study_name: str, number: int) -> int:
@@ -145,6 +159,15 @@ def interrupted(study: Any) -> list[Any]:
         if owner is not None and owner[0] == HOST and not pid_alive(owner[1]):
             found.append(frozen)
     return found
+
+
+def running_here(study: Any) -> list[Any]:
+    """RUNNING trials that this sweeper process runs."""
+    import optuna
+
+    mine = [HOST, os.getpid()]
+    running = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+    return [t for t in running if t.system_attrs.get(OWNER_ATTR) == mine]
 
 
 def fail_and_requeue(study: Any, storage: Any, frozen: Any, reason: str) -> None:

@@ -25,8 +25,8 @@ from memfit.config import limit_gib
 from memfit.progress import progress_bar
 from memfit.sweep import proposals, runs, storage
 from memfit.sweep.outcome import directions, is_feasible
+from memfit.sweep.predict import screen_data
 from memfit.sweep.results import SweepView, ladder_table, log_pareto_plot, summarise
-from memfit.sweep.screen import LABEL, coverage_screen, data_lengths
 from memfit.sweep.settings import check_settings
 from memfit.sweep.space import SweepConfigError, held_accumulation, parse_search
 from memfit.sweep.telling import TrialTeller
@@ -71,6 +71,7 @@ class BudgetSweep:
         # trials this sweeper has told after running: a device slot waiting for the others' last trials wakes on it
         self.told = threading.Condition()
         self.told_count = 0
+        self.stopping = False  # a stop signal arrived: no trial is launched from now on
 
     def setup(self, *, hydra_context: Any, task_function: Any, config: DictConfig) -> None:
         from hydra.core.plugins import Plugins
@@ -99,25 +100,10 @@ class BudgetSweep:
 
     def _screen_data(self) -> None:
         """Read the data's lengths once per command (after the storage opened, so that a bad storage URL is reported
-        first): label coverage per label length, and the worst batches the memory model predicts."""
-        if self.screened:
-            return
-        self.screened = True
-        s = self.settings
-        if s.coverage_floor <= 0 and s.predict_margin is None:
-            return
-        lengths = data_lengths(self.space, self.config)
-        self.screen = coverage_screen(lengths, self.space, self.config, s.coverage_floor)
-        if lengths is not None and s.predict_margin is not None:
-            from memfit.sweep.predict import MemoryPredictor
-
-            self.predictor = MemoryPredictor(lengths, self.config, s.predict_margin, s.effective_batch)
-        if self.screen is not None and LABEL not in self.space and (coverage := self.screen.below_floor({})):
-            raise SweepConfigError(
-                f"memory.max_label_length={self.screen.fixed_label} keeps {coverage:.2%} of label tokens, below "
-                f"hydra.sweeper.coverage_floor={self.settings.coverage_floor:g}, so no trial could be feasible: "
-                "search memory.max_label_length with choice(...) or lower the floor"
-            )
+        first)."""
+        if not self.screened:
+            self.screened = True
+            self.screen, self.predictor = screen_data(self.space, self.config, self.settings)
 
     def _learn_calibrations(self, study: Any) -> None:
         """Calibrations earlier trials of this study reported (a resumed sweep predicts from them too)."""
@@ -162,6 +148,18 @@ class BudgetSweep:
             storage.fail_and_requeue(study, store, frozen, reason)
             runs.close_trial_run(self.config, frozen, "KILLED", reason)
             log.warning("trial %d was interrupted by a stopped sweeper: marked FAIL, queued again", frozen.number)
+
+    def _stop(self, study: Any, store: Any, err: BaseException) -> None:
+        """A stop signal (or Ctrl-C): SIGTERM the running trials (each ends its MLflow run KILLED), then record
+        this sweeper's trials as interrupted and queue their configurations again, for the rerun that resumes."""
+        self.stopping = True
+        for runner in [self.trials, *self.runners.values()]:
+            runner.close()
+        reason = f"interrupted: the sweeper was {err or 'stopped by SIGINT'} during this trial; queued again"
+        for frozen in storage.running_here(study):
+            storage.fail_and_requeue(study, store, frozen, reason)
+            runs.close_trial_run(self.config, frozen, "KILLED", reason)
+            log.warning("trial %d: %s", frozen.number, reason)
 
     # --- one trial ------------------------------------------------------------------------------------------------
     def _trial_overrides(self, trial: Any, fixed: list[str], parent: Any) -> list[str]:
@@ -219,6 +217,8 @@ class BudgetSweep:
             if parent is not None:
                 log_pareto_plot(study, view, parent)
         except BaseException as err:
+            if isinstance(err, KeyboardInterrupt):
+                self._stop(study, store, err)
             if parent is not None:
                 parent.finish("KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED", f"sweep: {err}")
             raise
@@ -243,7 +243,7 @@ class BudgetSweep:
         exhausted). While the rest are other workers' running trials, wait: one whose worker dies is queued again."""
         n_trials = self.settings.n_trials
         patience, told_in_a_row = max(10, n_trials), 0
-        while True:
+        while not self.stopping:
             seen = self.told_count
             storage.fail_stale(study, self.settings.heartbeat_s)
             done = storage.trials_run(study)

@@ -92,6 +92,8 @@ class TrialTeller:
             study.tell(trial, outcome.values)
         else:
             study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        if outcome.attrs.get("status") == "interrupted":  # stopped by a signal, not by what it measured: run it again
+            storage.requeue(study, trial, outcome.attrs.get("reason") or "interrupted")
         if child is not None:
             runs.record_outcome(child, outcome, self.objectives)
         state = "feasible" if outcome.feasible else outcome.attrs.get("status")

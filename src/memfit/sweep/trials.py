@@ -63,6 +63,8 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+STOP_GRACE_S = 30.0  # a stopped sweep's running trial gets this long to end its MLflow run before it is killed
+
 # every trial process (and standby) dies with the sweeper, where the OS lets us ask for it
 CHILD_SETUP = _die_with_parent if sys.platform.startswith("linux") else None
 
@@ -150,6 +152,7 @@ class ProcessTrials:
         self.app_argv, self.sweep_dir, self.timeout_s, self.env = app_argv, sweep_dir, timeout_s, env
         self.prestart = prestart
         self.standbys: list[subprocess.Popen] = []
+        self.running: list[subprocess.Popen] = []  # trial processes launched and not yet waited for
         self.child_setup = CHILD_SETUP  # run in each child before it starts: dies with the sweeper (and pins)
 
     def pinned(self, device: str, cores: list[int] | None = None) -> ProcessTrials:
@@ -202,18 +205,21 @@ class ProcessTrials:
 
     def close(self) -> None:
         """End the standbys no trial will take, at once: one that has taken no trial holds no device and has
-        written nothing, and letting it finish its imports would only spend CPU."""
-        for proc in self.standbys:
+        written nothing, and letting it finish its imports would only spend CPU. Trials still running (the sweep
+        was stopped) get SIGTERM, so each ends its MLflow run KILLED with its metrics flushed; a trial still
+        running STOP_GRACE_S later is killed."""
+        for proc in self.standbys + self.running:
             proc.terminate()
+        for proc in self.standbys:
             with contextlib.suppress(OSError):
                 proc.stdin.close()
-        for proc in self.standbys:
+        for proc in self.standbys + self.running:
             try:
-                proc.wait(timeout=10)
+                proc.wait(timeout=STOP_GRACE_S if proc in self.running else 10)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        self.standbys = []
+        self.standbys, self.running = [], []
 
     # --- trials --------------------------------------------------------------------------------------------------
     def launch(self, batch: list[list[str]], first_job: int, standby: int = 0) -> list[TrialResult]:
@@ -227,8 +233,11 @@ class ProcessTrials:
             argv = [*overrides, f"hydra.run.dir={job_dir}"]
             proc = self._hand_to_standby(argv, job_dir / "trial.log") or self._start(argv, job_dir / "trial.log")
             started.append((proc, job_dir, time.monotonic()))
+            self.running.append(proc)
         self.keep_ready(standby)
-        return [self._wait(proc, job_dir, start) for proc, job_dir, start in started]
+        results = [self._wait(proc, job_dir, start) for proc, job_dir, start in started]
+        self.running = [proc for proc in self.running if proc.poll() is None]
+        return results
 
     def _start(self, argv: list[str], log_path: Path) -> subprocess.Popen:
         """A trial process started on demand: the standby module, given its overrides at once, so that every

@@ -1,7 +1,8 @@
 """Fault injection, for proving that sweeps and runs survive faults: MEMFIT_FAULTS="<run name>=<fault>@<step>,...".
 
 Faults: `oom` raises the allocator's own OutOfMemoryError, `crash` raises RuntimeError, `nan` poisons a trainable
-weight with NaN (the loss turns NaN on its own from there), `kill` SIGKILLs the process (nothing runs after it).
+weight with NaN (the loss turns NaN on its own from there), `kill` SIGKILLs the process (nothing runs after it),
+`term` sends it SIGTERM (as a preemption does).
 Each fires at the end of optimizer step <step> of the run whose tracking run name matches; other runs are untouched.
 It is read from the environment, never from config, so a fault cannot slip into a logged or exported configuration.
 """
@@ -16,7 +17,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 ENV = "MEMFIT_FAULTS"
-KINDS = ("oom", "crash", "nan", "kill")
+KINDS = ("oom", "crash", "nan", "kill", "term")
 
 
 def parse(spec: str) -> dict[str, tuple[str, int]]:
@@ -39,8 +40,9 @@ def _fire(kind: str, step: int, model: Any) -> None:
         raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 1.00 GiB ({ENV} at step {step})")
     if kind == "crash":
         raise RuntimeError(f"injected crash ({ENV} at step {step})")
-    if kind == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
+    if kind in ("kill", "term"):
+        os.kill(os.getpid(), signal.SIGKILL if kind == "kill" else signal.SIGTERM)
+        return
     with torch.no_grad():  # nan
         next(p for p in model.parameters() if p.requires_grad).fill_(float("nan"))
 

@@ -7,8 +7,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from omegaconf import DictConfig
-
 from memfit.data import CountingCollator
 from memfit.memory.meter import CudaMeter, HostMeter
 from memfit.training.throughput import Window
@@ -144,12 +142,14 @@ def _counting_only_training(base: type) -> type:
 
 
 def build_trainer(
-    cfg: DictConfig, model: Any, tokenizer: Any, datasets: Any, args: Any, collator: Any, callbacks: list
+    task: str, model: Any, tokenizer: Any, datasets: Any, args: Any, collator: Any, callbacks: list
 ) -> Any:
+    """(Seq2Seq)Trainer for `task` over the datasets, evaluating where `args` does (memory.policy.training_arguments
+    turns evaluation off without validation data or with memory.eval_enabled=false)."""
     from transformers import Seq2SeqTrainer, Trainer
 
-    base = Seq2SeqTrainer if cfg.model.task == "seq2seq" else Trainer
-    evaluate = "validation" in datasets and cfg.memory.eval_enabled
+    base = Seq2SeqTrainer if task == "seq2seq" else Trainer
+    evaluate = "validation" in datasets and args.eval_strategy != "no"
     trainer = _counting_only_training(base)(
         model=model,
         args=args,

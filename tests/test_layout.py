@@ -1,0 +1,81 @@
+"""The package's shape: memfit's packages import each other only along the flow (no circle), and importing the
+run or the sweep pulls in no heavy library (composition, validation and --help stay fast)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from collections import defaultdict
+
+from tests.conftest import ROOT
+
+SRC = ROOT / "src" / "memfit"
+
+# what each of memfit's top-level packages and modules may import of the others: config → run → data / models /
+# memory → training → tracking (config is the schema every phase reads; progress draws progress bars)
+MAY_IMPORT = {
+    "config": set(),
+    "progress": set(),
+    "tracking": {"config"},
+    "models": {"config"},
+    "data": {"config", "progress"},
+    "memory": {"config", "data"},
+    "training": {"config", "data", "memory"},
+    "preconditions": {"config", "tracking"},
+    "run": {"config", "preconditions", "data", "models", "memory", "training", "tracking", "progress"},
+    "sweep": {"config", "data", "models", "memory", "tracking", "progress"},
+}
+
+
+def _package_of(module: str) -> str:
+    return module.split(".")[1]
+
+
+def package_imports() -> dict[str, set[str]]:
+    found: dict[str, set[str]] = defaultdict(set)
+    for path in SRC.rglob("*.py"):
+        parts = path.relative_to(SRC).with_suffix("").parts
+        if parts == ("__init__",):
+            continue
+        importer = parts[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            for name in names:
+                if name.startswith("memfit.") and _package_of(name) != importer:
+                    found[importer].add(_package_of(name))
+    return found
+
+
+def test_every_package_imports_only_along_the_flow():
+    imports = package_imports()
+    assert set(imports) <= set(MAY_IMPORT), f"a package the layout does not know: {set(imports) - set(MAY_IMPORT)}"
+    for importer, imported in imports.items():
+        assert imported <= MAY_IMPORT[importer], f"memfit.{importer} imports {imported - MAY_IMPORT[importer]}"
+
+
+def test_importing_the_run_and_the_sweep_pulls_in_no_heavy_library():
+    code = (
+        "import sys, memfit.run, memfit.sweep, hydra_plugins.memfit_sweeper.memfit_sweeper\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'peft', 'mlflow', 'datasets') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_no_module_is_over_400_lines_unless_its_docstring_says_why():
+    for path in SRC.rglob("*.py"):
+        text = path.read_text()
+        if text.count("\n") > 400:
+            docstring = ast.get_docstring(ast.parse(text)) or ""
+            assert "over 400 lines" in docstring, f"{path.relative_to(ROOT)} has {text.count(chr(10))} lines"
+
+
+def test_no_function_is_over_about_60_lines_unless_its_docstring_says_why():
+    for path in SRC.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = node.end_lineno - node.lineno + 1
+                why = "over 60 lines" in (ast.get_docstring(node) or "")
+                assert length <= 65 or why, f"{path.relative_to(ROOT)}:{node.lineno} {node.name} has {length} lines"
