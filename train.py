@@ -16,4 +16,6 @@ def main(cfg: DictConfig) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from memfit.config.hydra_errors import run_with_one_line_errors
+
+    run_with_one_line_errors(main)  # a config error on the command line: one line and exit 2

@@ -102,7 +102,7 @@ def trial_rows(storage: str) -> list[dict]:
                 "worst_case_peak_gib": t.user_attrs.get("worst_case_peak_gib"),
                 # the trial process's own seconds (handed its overrides to exit): start..end minus this is the
                 # sweeper's part (ask, pruning checks, launch, tell)
-                "process_s": t.user_attrs.get("gpu_seconds"),
+                "process_s": t.user_attrs.get("device_seconds"),
             }
         )
     return rows

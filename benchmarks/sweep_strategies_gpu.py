@@ -393,7 +393,7 @@ def memfit_sweep(
     sweep.run_trials(study, teller, data.space, [], None, lambda **_: None, trials)
     spent, best, found_at, trace = 0.0, None, 0.0, []
     for trial in study.trials:
-        spent += trial.user_attrs.get("gpu_seconds", 0.0)
+        spent += trial.user_attrs.get("device_seconds", 0.0)
         feasible = trial.state == optuna.trial.TrialState.COMPLETE and all(c <= 0 for c in trial.constraints.values())
         if feasible and (best is None or trial.values[0] > best.values[0]):
             best, found_at = trial, spent
@@ -578,7 +578,7 @@ def live(args: argparse.Namespace) -> None:
                 k: t.user_attrs.get(k)
                 for k in (
                     "status",
-                    "gpu_seconds",
+                    "device_seconds",
                     "worst_case_peak_gib",
                     "tokens_per_s",
                     "epoch_tokens_per_s",

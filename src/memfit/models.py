@@ -9,7 +9,10 @@ Models without their own tokenizer use that package's BERT WordPiece tokenizer (
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib.resources import files
 from typing import Any
@@ -128,12 +131,21 @@ def _quantize_random_to_4bit(model: Any) -> Any:
     return model.to(device)  # Params4bit quantize as they reach the GPU
 
 
+@contextlib.contextmanager
+def _quiet_checkpointing_alias() -> Iterator[None]:
+    """peft reads transformers' deprecated `is_gradient_checkpointing`: a warning nothing in the user's run causes."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
+
+
 def _apply_lora(model: Any, model_cfg: DictConfig, memory: DictConfig) -> Any:
     from peft import LoraConfig, TaskType, get_peft_model, prepare_model_for_kbit_training
 
     lora = model_cfg.lora
     if memory.load_in_4bit:
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=memory.gradient_checkpointing)
+        with _quiet_checkpointing_alias():
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=memory.gradient_checkpointing)
     peft_cfg = LoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,
@@ -141,7 +153,8 @@ def _apply_lora(model: Any, model_cfg: DictConfig, memory: DictConfig) -> Any:
         target_modules=list(lora.target_modules),
         task_type=TaskType.SEQ_2_SEQ_LM if model_cfg.task == "seq2seq" else TaskType.CAUSAL_LM,
     )
-    return get_peft_model(model, peft_cfg)
+    with _quiet_checkpointing_alias():
+        return get_peft_model(model, peft_cfg)
 
 
 def _enable_checkpointing(model: Any) -> None:
@@ -177,6 +190,9 @@ def build_model(cfg: DictConfig, tokenizer: Any, device: str) -> BuiltModel:
     if model_cfg.name_or_path:  # a local checkpoint always wins over random weights
         model = _pretrained(model_cfg, dtype, memory.load_in_4bit)
     elif model_cfg.source == "bert2bert":
+        # EncoderDecoderModel warns on every run about checkpoints trained before transformers 4.12; memfit builds
+        # this one from a BERT encoder's weights, so the warning says nothing about the user's run
+        warnings.filterwarnings("ignore", message="Version v4.12.0 introduces a better way", category=FutureWarning)
         model = _bert2bert(tokenizer, dtype)
     else:
         log.warning(

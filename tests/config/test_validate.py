@@ -152,16 +152,35 @@ def test_missing_column_is_named(compose_cfg, tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("overrides", "expected"),
+    ("override", "last_line"),
     [
-        (["trainer.batch_size=0"], "memfit: error: trainer.batch_size=0 must be > 0"),
-        (["memory=nonexistent"], "Could not find 'memory/nonexistent'"),
-        (["memory.no_such_knob=1"], "no_such_knob"),
+        (
+            "memory.max_lable_length=64",
+            "memory.max_lable_length is not a config key: did you mean memory.max_label_length?",
+        ),
+        ("trainer.batch_size=1.5", "trainer.batch_size=1.5 is not an integer: set trainer.batch_size to an integer"),
+        ("memory=tigh", "memory=tigh is not an option of memory: did you mean memory=tight?"),
+        ("model.name=???", "model.name is missing (???): set model.name=<value>"),
+        ("trainer.batch_size=[1", "an override does not parse (no viable alternative at input '[1')"),
+        ("trainer.batch_size=0", "trainer.batch_size=0 must be > 0"),
+        ("memory.no_such_knob=1", "memory.no_such_knob is not a config key (python train.py --cfg job lists them)"),
     ],
 )
-def test_train_py_exits_nonzero_with_a_clear_line(tmp_path, overrides, expected):
-    out = run_train_py(f"output_dir={tmp_path}", *overrides, timeout=120)
-    assert out.returncode != 0
-    assert expected in out.stderr
+def test_a_command_line_config_error_is_one_line_naming_the_key(tmp_path, override, last_line):
+    out = run_train_py(f"output_dir={tmp_path}", override, "model=tiny_seq2seq", timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
     assert "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith(f"memfit: error: {last_line}")
     assert not (tmp_path / "mlflow.db").exists()  # nothing recorded for bad input
+
+
+def test_hydra_full_error_still_shows_the_full_trace():
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, train_py_env
+
+    env = {**train_py_env(), "HYDRA_FULL_ERROR": "1"}
+    argv = [sys.executable, str(ROOT / "train.py"), "memory.max_lable_length=64"]
+    out = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "Traceback" in out.stderr and "max_lable_length" in out.stderr

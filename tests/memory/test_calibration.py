@@ -277,7 +277,7 @@ def test_the_sweeper_tells_a_configuration_predicted_far_over_budget_without_run
     assert sweep.told_without_running(study, big, None)
     told = study.trials[big.number]
     assert told.user_attrs["status"] == "predicted_infeasible" and told.user_attrs["predicted"] is True
-    assert told.user_attrs["not_run"] and told.user_attrs["gpu_seconds"] == 0.0
+    assert told.user_attrs["not_run"] and told.user_attrs["device_seconds"] == 0.0
     assert told.user_attrs["calibration_from"] == first.number and "safety margin" in told.user_attrs["reason"]
     limit = sweep.budget_gib - cfg.budget.margin_gib
     assert told.constraints["memory_gib"] == pytest.approx(big_gib - limit) and told.constraints["memory_gib"] > 0

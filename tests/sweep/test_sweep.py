@@ -259,7 +259,7 @@ def test_the_readme_budget_sweep_finds_and_exports_a_preset(readme_budget_sweep,
     assert len(ran) <= 6 and len({tuple(sorted(t.params.items())) for t in ran}) == len(ran)  # none ran twice
     assert all(t.user_attrs["standby_wait_s"] >= 0 for t in ran)  # each ran in a process started ahead of it
     told = [t for t in study.trials if t.user_attrs.get("not_run")]
-    assert all(t.user_attrs["gpu_seconds"] == 0.0 and t.user_attrs["reason"].startswith("not run: ") for t in told)
+    assert all(t.user_attrs["device_seconds"] == 0.0 and t.user_attrs["reason"].startswith("not run: ") for t in told)
     infeasible = [t for t in study.trials if t.constraints["memory_gib"] > 0]
     assert infeasible and all(t.state == optuna.trial.TrialState.COMPLETE for t in infeasible)
     statuses = {t.user_attrs["status"] for t in infeasible}
@@ -321,7 +321,7 @@ def test_optuna_dashboard_shows_the_readme_sweeps_trials_with_constraints_and_re
     stored = optuna.load_study(study_name=study["study_name"], storage=f"sqlite:///{swept}/optuna.db").trials
     assert len(trials) == len(stored)
     attrs = [{a["key"]: a["value"] for a in t["user_attrs"]} for t in trials]
-    assert all({"status", "gpu_seconds", "constraint_memory_gib"} <= set(a) for a in attrs)
+    assert all({"status", "device_seconds", "constraint_memory_gib"} <= set(a) for a in attrs)
     # the dashboard shows Optuna 5's named constraints only through these attributes (memfit.sweep.outcome)
     assert [float(a["constraint_memory_gib"]) for a in attrs] == [t.constraints["memory_gib"] for t in stored]
     assert any(a.get("reason", "").startswith("not run: ") for a in attrs)  # told without running, and why
@@ -420,7 +420,7 @@ def test_a_configuration_measured_before_is_told_from_that_measurement_not_run_a
     measured = study.ask(space)
     assert not sweep.told_without_running(study, measured, None)  # nothing known yet: it runs
     measured.set_user_attr("status", "ok")
-    measured.set_user_attr("gpu_seconds", 41.0)
+    measured.set_user_attr("device_seconds", 41.0)
     measured.set_constraint("memory_gib", -2.5)
     study.tell(measured, 1234.0)
 
@@ -431,7 +431,7 @@ def test_a_configuration_measured_before_is_told_from_that_measurement_not_run_a
     assert not sweep.told_without_running(study, other, None)
     told = study.trials[again.number]
     assert told.values == [1234.0] and told.user_attrs["repeat_of"] == measured.number
-    assert told.user_attrs["gpu_seconds"] == 0.0 and told.user_attrs["status"] == "ok"
+    assert told.user_attrs["device_seconds"] == 0.0 and told.user_attrs["status"] == "ok"
     assert told.constraints == {"memory_gib": -2.5}
 
 
@@ -727,7 +727,7 @@ def test_a_budget_ladder_reuses_measurements_and_writes_one_preset_per_budget(tm
     assert reused and len(ran) == 2  # measurements carried over, then 2 new trials run (any told without running aside)
     for trial in reused:
         origin = small.trials[int(trial.user_attrs["reused_from"].split("#")[1])]
-        assert trial.params == origin.params and trial.user_attrs["gpu_seconds"] == 0.0
+        assert trial.params == origin.params and trial.user_attrs["device_seconds"] == 0.0
         assert trial.constraints["memory_gib"] == pytest.approx(origin.user_attrs["worst_case_peak_gib"] - 2.5)
     table = (tmp_path / "sweep" / "ladder.md").read_text()
     rows = [line for line in table.splitlines() if line.startswith("| 1.6 ") or line.startswith("| 3 ")]
@@ -737,6 +737,7 @@ def test_a_budget_ladder_reuses_measurements_and_writes_one_preset_per_budget(tm
         if "nothing fits" not in row:
             assert (tmp_path / "preset" / f"tiny_seq2seq-aclsum-{budget}gib.yaml").exists()
     assert "nothing fits" not in rows[1]  # 3 GiB holds what 1.6 GiB held, at least
+    assert rows[1].split("|")[4].strip() == "256"  # the fixed max source length has its column too
     client = MlflowClient(default_tracking_uri(str(tmp_path)))
     runs = client.search_runs([client.get_experiment_by_name("memfit").experiment_id])
     ladder = [r for r in runs if "memfit.ladder" in r.data.tags]

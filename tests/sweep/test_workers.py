@@ -61,8 +61,14 @@ def _readme_worker(storage: str, tracking: str) -> list[str]:
 def _readme_mlflow_server(port: int, tmp_path) -> list[str]:
     """The README's `mlflow server` command on a free port, its store in the test's directory."""
     command = readme_command("mlflow server --host 127.0.0.1")
+    assert command[command.index("--artifacts-destination") + 1].startswith("outputs/")  # not ./mlartifacts
     return [
-        str(port) if arg == "5000" else arg.replace("sqlite:///outputs/", f"sqlite:///{tmp_path}/") for arg in command
+        str(port)
+        if arg == "5000"
+        else arg.replace("sqlite:///outputs/", f"sqlite:///{tmp_path}/").replace(
+            "outputs/mlartifacts", f"{tmp_path}/mlartifacts"
+        )
+        for arg in command
     ]
 
 
@@ -109,6 +115,7 @@ def test_four_workers_share_one_postgres_study_and_one_mlflow_server(postgres, t
             assert proc.wait(timeout=600) == 0, (tmp_path / f"worker{index}.log").read_text()[-3000:]
         trials = _check_study_and_mlflow(storage, tracking, n_trials)
     assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+    assert any((tmp_path / "mlartifacts").rglob("config.yaml"))  # the server's artifacts where its command says
     owners = {tuple(t.system_attrs["memfit:owner"]) for t in trials}
     assert len(owners) > 1  # the work was shared, not done by one worker while the others waited
 
@@ -195,7 +202,8 @@ def test_one_trial_per_device_at_a_time_each_pinned_to_its_device(tmp_path):
     halves = core_sets(2)  # this machine's cores in two disjoint halves
     for trial in (first, second):
         run = client.get_run(trial.user_attrs["run_id"])
-        assert run.data.tags["memfit.cuda_visible_devices"] == trial.user_attrs["device"]  # what the trial saw
+        seen = run.data.tags["memfit.cuda_visible_devices"]  # what the trial saw, and that it trained on CPU here
+        assert seen == f"{trial.user_attrs['device']} (unused: the run trained on CPU)"
         # pinned: a thread per core of its own, unless OMP_NUM_THREADS is set (as this suite does under pytest-xdist)
         threads = str(len(halves[int(trial.user_attrs["device"])]))
         assert run.data.tags["memfit.cpu_threads"] == os.environ.get("OMP_NUM_THREADS", threads)

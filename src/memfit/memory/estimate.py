@@ -32,6 +32,7 @@ class Estimate:
     largest_batch: int | None = None
     calibration: str | None = None  # "<key> (cached | fitted from N probes on <device>)"
     lengths: tuple[int, int] | None = None  # (source, label) the largest batch is judged at
+    budget_label: str = "budget"  # what the budget is: budget.gib, or without it the device's memory
 
     @property
     def fits(self) -> bool | None:
@@ -54,7 +55,7 @@ class Estimate:
     def summary(self) -> str:
         what = self.shape.describe(self.task)
         parts = ", ".join(f"{name} {size(value)}" for name, value in self._parts().items())
-        limit = f"limit {size(self.limit)} (budget {size(self.budget)} minus margin)"
+        limit = f"limit {size(self.limit)} ({self.budget_label} {size(self.budget)} minus margin)"
         if self.peak is None:
             return "\n".join(
                 [

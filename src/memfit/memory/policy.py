@@ -95,11 +95,19 @@ class BudgetCap:
     device_bytes: int
     fraction: float | None  # the allocator cap set on CUDA, None when not capped
     enforced: bool  # True when the device itself refuses allocations past the budget
+    device: str = "cuda"
+
+    @property
+    def judged_against(self) -> str:
+        """What the limit is taken from, for people: the budget, or without one the device's memory."""
+        if self.budget_bytes is not None:
+            return "budget"
+        return "the GPU's memory" if self.device == "cuda" else "the host's free memory now"
 
     @property
     def label(self) -> str:
         if self.budget_bytes is None:
-            return "no budget (whole device)"
+            return "no budget.gib: the whole GPU" if self.device == "cuda" else "no budget.gib: the host's free memory"
         how = "enforced by the CUDA allocator cap" if self.enforced else "checked against measured peaks"
         return f"{self.budget_bytes / GIB:.2f} GiB ({how})"
 
@@ -114,7 +122,7 @@ def apply_budget(cfg: DictConfig, device: str, device_bytes: int) -> BudgetCap:
     if cfg.budget.enforce and budget:
         fractions.append(budget / device_bytes)
     if device != "cuda":
-        return BudgetCap(budget, device_bytes, None, enforced=False)
+        return BudgetCap(budget, device_bytes, None, enforced=False, device=device)
     import torch
 
     # Always set: the cap is process-wide and outlives a run, so an earlier run's small budget must not stay.

@@ -28,6 +28,7 @@ class PreflightReport:
     meter: str
     task: str
     suggestions: list[str] = field(default_factory=list)
+    budget_label: str = "budget"  # what the budget is: budget.gib, or without it the device's memory
     max_batch: int | None = None
     seconds: float = 0.0
 
@@ -76,7 +77,7 @@ class PreflightReport:
         verdict = "fits" if self.passed else "does NOT fit"
         head = (
             f"preflight: the worst batch {verdict} the budget: limit {self.limit_bytes / GIB:.2f} GiB "
-            f"(budget {self.budget_bytes / GIB:.2f} GiB minus margin, {self.meter}), "
+            f"({self.budget_label} {self.budget_bytes / GIB:.2f} GiB minus margin, {self.meter}), "
             f"headroom {self.headroom_bytes / GIB:+.2f} GiB"
         )
         lines.insert(0, head)

@@ -30,10 +30,16 @@ def run_tags(cfg: DictConfig, device: str, meter_label: str) -> dict[str, str]:
         "memfit.device": device,
         "memfit.meter": meter_label,
         "memfit.mode": "estimate_only" if cfg.estimate_only else "preflight_only" if cfg.preflight_only else "train",
-        "memfit.cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", "all"),
+        "memfit.cuda_visible_devices": _visible_devices(device),
         "memfit.cpu_threads": os.environ.get("OMP_NUM_THREADS", "all"),
         "memfit.cpu_cores": core_ranges(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else "all",
     }
+
+
+def _visible_devices(device: str) -> str:
+    """CUDA_VISIBLE_DEVICES as the run saw it; on CPU it says that no GPU was used, whatever the variable held."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "all")
+    return visible if device == "cuda" else f"{visible} (unused: the run trained on CPU)"
 
 
 def core_ranges(cores: list[int]) -> str:

@@ -33,10 +33,10 @@ def prepare_training(ctx: RunContext) -> TrainingSetup:
         }
     )
     log.info(
-        "model %s: %.1fM params, %.2fM trainable%s",
+        "model %s: %s params, %s trainable%s",
         cfg.model.name,
-        built.total_params / 1e6,
-        built.trainable_params / 1e6,
+        _count(built.total_params),
+        _count(built.trainable_params),
         " (random weights)" if built.random_weights else "",
     )
     collator = CountingCollator(ctx.tokenizer, cfg.memory.pad_to_multiple_of, cfg.model.task)
@@ -47,6 +47,13 @@ def prepare_training(ctx: RunContext) -> TrainingSetup:
     trainer = build_trainer(cfg.model.task, built.model, ctx.tokenizer, ready, args, collator, callbacks)
     ctx.clock.lap("trainer")
     return TrainingSetup(built, collator, callback, trainer)
+
+
+def _count(params: int) -> str:
+    """1.5M, 2.1k or 37: a tiny model's adapters are not '0.00M'."""
+    if params >= 100_000:
+        return f"{params / 1e6:.1f}M"
+    return f"{params / 1e3:.1f}k" if params >= 1000 else str(params)
 
 
 def _record_oom(ctx: RunContext, setup: TrainingSetup, err: BaseException) -> str:

@@ -134,6 +134,7 @@ def estimate(ctx: RunContext, setup: TrainingSetup) -> RunReport:
         limit,
         cfg.preflight.max_batch_limit,
     )
+    result.budget_label = ctx.cap.judged_against
     ctx.tracker.log_metrics(result.metrics(), step=0)
     ctx.tracker.log_text(result.summary(), "estimate.txt")
     print(result.summary())
@@ -214,6 +215,7 @@ def run_preflight(ctx: RunContext, setup: TrainingSetup) -> WorstCase:
     measured = _probe_worst(ctx, probes)
     passed = fits(measured, limit)
     report = PreflightReport(passed, measured, limit, budget, ctx.meter.label, cfg.model.task)
+    report.budget_label = ctx.cap.judged_against
     train_probes = [p for p in measured if p.phase == "train"]
     predicted = _log_prediction(ctx, calibration, max(train_probes, key=lambda p: (p.oom, p.judged_bytes)))
     if passed and (cfg.preflight.find_max_batch or cfg.preflight_only):

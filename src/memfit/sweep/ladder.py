@@ -58,7 +58,7 @@ def reuse_measurements(study: Any, earlier: list[Any], limit_gib: float | None, 
                         **trial.user_attrs,
                         **constraint_attrs(constraints),
                         "reused_from": origin,
-                        "gpu_seconds": 0.0,
+                        "device_seconds": 0.0,
                     },
                     constraints=constraints,
                 )

@@ -249,8 +249,11 @@ def _use_groups(groups: list[str], cfg: Any) -> list[str]:
     )
 
 
-def ladder_table(rows: list[tuple[float, dict[str, Any] | None]], effective_batch: int | None) -> str:
-    """Markdown: budget → batch, accumulation, lengths, worst-case peak, tokens/s, coverage, preset."""
+def ladder_table(
+    rows: list[tuple[float, dict[str, Any] | None]], effective_batch: int | None, fixed: dict[str, Any] | None = None
+) -> str:
+    """Markdown: budget → batch, accumulation, lengths, worst-case peak, tokens/s, coverage, preset. `fixed`: the
+    values of settings the sweep did not search (a fixed max source length is a column too)."""
     lines = [
         "| budget GiB | batch | accumulation | max source | max label | worst-case peak GiB | tokens/s "
         "| label coverage | preset |",
@@ -260,7 +263,7 @@ def ladder_table(rows: list[tuple[float, dict[str, Any] | None]], effective_batc
         if summary is None:
             lines.append(f"| {budget:g} | nothing fits | | | | | | | |")
             continue
-        params = summary["best_params"]
+        params = {**(fixed or {}), **summary["best_params"]}
         batch = params.get("trainer.batch_size", "")
         accumulation = params.get("trainer.gradient_accumulation_steps") or held_accumulation(params, effective_batch)
         lines.append(

@@ -67,7 +67,7 @@ def record_outcome(child: Any, outcome: TrialOutcome, objectives: list[str]) -> 
     status = outcome.attrs.get("status") or "failed"
     metrics = {f"trial/{k}_constraint": v for k, v in outcome.constraints.items()}
     metrics["trial/feasible"] = float(outcome.feasible)
-    metrics["trial/seconds"] = outcome.attrs["gpu_seconds"]
+    metrics["trial/seconds"] = outcome.attrs["device_seconds"]
     for name, value in zip(objectives, outcome.values or [], strict=False):
         metrics[f"trial/objective_{name}"] = value
     child.log_metrics(metrics, step=0)

@@ -382,7 +382,13 @@ class BudgetSweep:
         for budget in budgets:
             self.budget_gib = budget
             rows.append((budget, self._run_study(space, fixed, earlier=list(self.studies))))
-        table = ladder_table(rows, self.settings.effective_batch)
+        cfg = self.config
+        fixed = {
+            "trainer.batch_size": cfg.trainer.batch_size,
+            "memory.max_source_length": cfg.memory.max_source_length,
+            "memory.max_label_length": cfg.memory.max_label_length,
+        }
+        table = ladder_table(rows, self.settings.effective_batch, fixed)
         sweep_dir = Path(self.config.hydra.sweep.dir)
         (sweep_dir / "ladder.md").write_text(table)
         log.info("budget ladder:\n%s", table)

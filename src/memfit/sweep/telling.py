@@ -79,7 +79,7 @@ class TrialTeller:
 
         s = self.settings
         outcome = outcome_of(result.report, result.error, self.limit_gib, self.objectives, s.coverage_floor)
-        outcome.attrs["gpu_seconds"] = result.seconds
+        outcome.attrs["device_seconds"] = result.seconds
         if result.standby_wait_s is not None:  # a prestarted trial process
             outcome.attrs["standby_wait_s"] = result.standby_wait_s
         for key, value in outcome.attrs.items():
@@ -107,7 +107,7 @@ class TrialTeller:
         known = self.known_outcome(study, trial.params, trial.number)
         if known is None:
             return False
-        attrs = {**known.attrs, "not_run": True, "gpu_seconds": 0.0}  # bookkeeping: not part of n_trials
+        attrs = {**known.attrs, "not_run": True, "device_seconds": 0.0}  # bookkeeping: not part of n_trials
         for key, value in attrs.items():
             trial.set_user_attr(key, value)
         constrain(trial, known.constraints)
