@@ -34,7 +34,7 @@ def test_tiny_causal_example(tmp_path):
     out = run_train(readme_command("python train.py model=tiny_causal"), tmp_path)
     assert finished_runs(tmp_path)[0].data.tags["memfit.memory"] == "tight"
     assert "FutureWarning" not in out.stderr  # peft's read of a deprecated transformers alias is silenced
-    assert re.search(r"model tiny_causal: 1\.0M params, \d\.\dk trainable", out.stderr)  # not "0.00M"
+    assert re.search(r"model tiny_causal: 1\.0M params, \d\.\dk trainable", out.stdout)  # not "0.00M"
 
 
 def test_qwen_lora_on_own_jsonl_example(tmp_path):

@@ -6,6 +6,7 @@ A *window* is the span since the last `reset_window()`; the meter also keeps the
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,6 +64,21 @@ class CudaMeter:
         return self.torch.cuda.get_device_properties(self.device).total_memory
 
 
+def _return_freed_memory() -> None:
+    """Collect garbage and hand the C heap's free pages back to the OS (glibc's malloc_trim). A Hydra multirun runs
+    its jobs in one process: without this, what an earlier job freed stays resident, and a later job's peak RSS
+    counts it (memory=off,balanced on CPU: balanced measured above off second, below it first or alone)."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    libc = ctypes.util.find_library("c")
+    if libc:
+        with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim with
+            ctypes.CDLL(libc).malloc_trim(0)
+
+
 class HostMeter:
     """The process's peak resident set (VmHWM), reset per window through /proc/self/clear_refs.
 
@@ -78,6 +94,8 @@ class HostMeter:
     def __init__(self) -> None:
         self.overall = MemoryPeak(0, 0)
         self._resettable = True
+        _return_freed_memory()  # an earlier run of this process (a Hydra multirun) must not count in this one's RSS
+        self.reset_window()
 
     def _read_kib(self, key: str) -> int:
         for line in self._status.read_text().splitlines():
