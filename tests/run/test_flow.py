@@ -145,7 +145,7 @@ def test_the_collator_counts_micro_batches_of_a_padded_shape_not_taken_before(co
 def test_a_killed_run_resumes_from_its_checkpoint_in_the_same_mlflow_run(tmp_path, monkeypatch):
     """SIGKILLed after the step-2 checkpoint; rerun with trainer.resume=true: steps 3-6 are exactly those of an
     uninterrupted run (step, optimizer, scheduler, RNG and data position restored) and MLflow holds one run."""
-    common = [*FAST, "trainer.max_steps=6", "trainer.save_steps=2", "tracking.run_name=resumable"]
+    common = ["model=tiny_seq2seq", *FAST, "trainer.max_steps=6", "trainer.save_steps=2", "tracking.run_name=resumable"]
     straight = run_train_py(*common, f"output_dir={tmp_path / 'straight'}")
     assert straight.returncode == 0, straight.stderr[-2000:]
 
@@ -170,7 +170,7 @@ def test_sigterm_ends_the_run_killed_with_its_metrics_and_it_resumes(tmp_path, m
     """SIGTERM (a preemption, docker stop) at the end of step 4, after the step-2 checkpoint: exit 143 with one line,
     the run KILLED with the signal as its reason, and step 3's metrics, buffered since the checkpoint wrote steps 1-2,
     flushed; trainer.resume=true continues it from checkpoint-2 to the end."""
-    common = [*FAST, "trainer.max_steps=5", "trainer.save_steps=2", "tracking.run_name=preempted"]
+    common = ["model=tiny_seq2seq", *FAST, "trainer.max_steps=5", "trainer.save_steps=2", "tracking.run_name=preempted"]
     monkeypatch.setenv("MEMFIT_FAULTS", "preempted=term@4")
     stopped = run_train_py(*common, f"output_dir={tmp_path}")
     monkeypatch.delenv("MEMFIT_FAULTS")

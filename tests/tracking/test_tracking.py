@@ -72,3 +72,46 @@ def test_four_runs_started_together_on_a_new_sqlite_store_all_finish(tmp_path):
     assert all(r.info.status == "FINISHED" for r in runs)
     for run in runs:
         assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == list(range(1, 21))
+
+
+def test_a_write_waits_while_another_process_holds_the_stores_lock(tmp_path):
+    """Another process holds the store's write lock for 7 s, past sqlite's default busy timeout of 5 s: the run's
+    writes wait and go through (MLflow sets a 20 s busy timeout on its sqlite connections; sqlite retries until then),
+    so runs and sweeps writing one store at once do not fail on each other's locks."""
+    import subprocess
+    import sys
+    import time
+
+    from omegaconf import OmegaConf
+
+    from memfit.tracking import start_tracking
+
+    cfg = OmegaConf.create(
+        {
+            "output_dir": str(tmp_path),
+            "tracking": {
+                "backend": "mlflow",
+                "uri": None,
+                "experiment": "memfit",
+                "parent_run_id": None,
+                "run_id": None,
+            },
+        }
+    )
+    tracker = start_tracking(cfg, "patient", {})  # creates the store
+    holder = (
+        "import sqlite3, sys, time; db = sqlite3.connect(sys.argv[1], isolation_level=None);"
+        " db.execute('BEGIN EXCLUSIVE'); print('locked', flush=True); time.sleep(7); db.execute('COMMIT')"
+    )
+    lock = subprocess.Popen(
+        [sys.executable, "-c", holder, str(tmp_path / "mlflow.db")], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert lock.stdout.readline().strip() == "locked"
+        started = time.monotonic()
+        tracker.log_metrics({"train/loss": 1.0}, step=1)
+        tracker.finish("FINISHED")  # flushes: the first write into the locked store
+        assert time.monotonic() - started > 5  # it did wait for the lock
+    finally:
+        lock.wait(timeout=30)
+    assert tracker.status() == "FINISHED"

@@ -61,15 +61,18 @@ def worker_seed(settings: DictConfig) -> int | None:
 
 def _storage(url: str, heartbeat_s: float | None, on_stale: Callable[[Any, Any], None]) -> Any:
     """With a heartbeat, a trial whose worker dies (a killed process, a lost machine) is failed by any other worker
-    once its heartbeat is `grace` seconds old, and `on_stale` is told."""
+    once its heartbeat is `grace` seconds old, and `on_stale` is told. On sqlite a write waits up to a minute for
+    another process's lock (sqlite retries it), not the driver's default 5 s."""
     from optuna.storages import RDBStorage
 
+    engine = {"connect_args": {"timeout": 60}} if url.startswith("sqlite:") else None
     if not heartbeat_s:
-        return RDBStorage(url)
+        return RDBStorage(url, engine_kwargs=engine)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "experimental feature": heartbeats are Optuna's own pattern since 2.x
         return RDBStorage(
             url,
+            engine_kwargs=engine,
             heartbeat_interval=max(1, int(heartbeat_s)),
             grace_period=max(3, int(3 * heartbeat_s)),
             heartbeat_stale_trial_callback=on_stale,
