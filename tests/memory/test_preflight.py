@@ -214,3 +214,36 @@ def test_the_report_logs_the_step_times_of_its_longest_training_shape():
     assert metrics["preflight/first_step_s"] == 1.5 and metrics["preflight/repeat_step_s"] == pytest.approx(0.6)
     untimed = PreflightReport(True, probes[2:], 10, 10, "test", "seq2seq").metrics()
     assert "preflight/first_step_s" not in untimed
+
+
+def test_a_refused_batch_is_reported_by_what_it_needs_never_with_a_positive_headroom():
+    """After an OOM the allocator's state is not what the batch needs: the verdict says what it needs (the memory
+    model's prediction, or more than the budget without one) and by how much it is over the limit."""
+    from memfit.config import GIB
+    from memfit.memory.meter import MemoryPeak
+    from memfit.memory.preflight import PreflightReport, Probe
+
+    shape = BatchShape(16, 512, 512)
+    budget, limit = 24 * GIB, int(23.5 * GIB)
+    oom = Probe(shape, "train", None, attempted_bytes=int(21.88 * GIB))  # what the allocator held when it struck
+    text = PreflightReport(False, [oom], limit, budget, "CUDA", "seq2seq").summary()
+    assert "over it by more than 0.50 GiB" in text and "needs more than 24.00 GiB" in text and "+" not in text
+    predicted = Probe(shape, "train", None, attempted_bytes=int(21.88 * GIB), predicted_bytes=int(30 * GIB))
+    text = PreflightReport(False, [predicted], limit, budget, "CUDA", "seq2seq").summary()
+    assert "needs ~30.00 GiB (memory model)" in text and "over it by 6.50 GiB" in text
+    measured = Probe(shape, "train", MemoryPeak(int(24.23 * GIB), int(24.23 * GIB)))
+    report = PreflightReport(False, [measured], limit, budget, "CUDA", "seq2seq")
+    assert "over it by 0.73 GiB" in report.summary() and report.metrics()["preflight/headroom_gib"] < 0
+    fitting = Probe(BatchShape(4, 512, 512), "train", MemoryPeak(int(20 * GIB), int(20 * GIB)))
+    assert "headroom +3.50 GiB" in PreflightReport(True, [fitting], limit, budget, "CUDA", "seq2seq").summary()
+
+
+def test_the_largest_batch_search_stops_at_the_training_samples_and_says_so(compose_cfg, caplog):
+    """A batch larger than the training split would repeat samples: the search's cap is the smaller of
+    preflight.max_batch_limit and the number of samples, a cap between two doublings is tried itself, and a result
+    at the cap says that larger batches were not tried."""
+    cfg = compose_cfg("model=tiny_seq2seq", *FAST, "data.max_train_samples=6", "preflight_only=true", "tracking=none")
+    with caplog.at_level("INFO", logger="memfit"):
+        report = run(cfg)
+    assert report.max_batch == 6  # 4, then 8 is past the 6 samples: 6 itself is tried, not left at 4
+    assert "largest batch that fits the worst case: >= 6 (all 6 training samples in one batch" in caplog.text

@@ -30,15 +30,27 @@ class PreflightReport:
     suggestions: list[str] = field(default_factory=list)
     budget_label: str = "budget"  # what the budget is: budget.gib, or without it the device's memory
     max_batch: int | None = None
+    max_batch_cap: str | None = None  # where the largest-batch search stopped, when it stopped at a cap of its own
     seconds: float = 0.0
 
     @property
     def worst(self) -> Probe:
         return max(self.probes, key=lambda p: (p.oom, p.judged_bytes))
 
+    def needed_bytes(self, probe: Probe) -> tuple[int, bool]:
+        """(what the probe's batch needs, whether that is exact): its measured peak; after an OOM the memory model's
+        prediction, or else the budget it could not fit in (a lower bound: it needed more)."""
+        if probe.peak is not None:
+            return probe.peak.reserved, True
+        if probe.predicted_bytes is not None:
+            return probe.predicted_bytes, True
+        return max(self.budget_bytes, probe.attempted_bytes or 0), False
+
     @property
     def headroom_bytes(self) -> int:
-        return self.limit_bytes - self.worst.judged_bytes
+        """The limit minus what the worst batch needs: never positive when the batch did not fit."""
+        needed = max(self.needed_bytes(p)[0] for p in self.probes)
+        return self.limit_bytes - needed
 
     def metrics(self) -> dict[str, float]:
         worst = self.worst
@@ -67,8 +79,13 @@ class PreflightReport:
         for each in self.probes:
             what = each.shape.describe(self.task)
             if each.oom:
-                attempted = f" (attempted ~{each.attempted_bytes / GIB:.2f} GiB)" if each.attempted_bytes else ""
-                lines.append(f"  {each.phase} {what}: OUT OF MEMORY{attempted}")
+                needed, exact = self.needed_bytes(each)
+                how = (
+                    f"needs ~{needed / GIB:.2f} GiB (memory model)"
+                    if exact
+                    else f"needs more than {needed / GIB:.2f} GiB"
+                )
+                lines.append(f"  {each.phase} {what}: OUT OF MEMORY, {how}")
             else:
                 lines.append(
                     f"  {each.phase} {what}: peak allocated {each.peak.allocated_gib:.2f} GiB, "
@@ -78,10 +95,17 @@ class PreflightReport:
         head = (
             f"preflight: the worst batch {verdict} the budget: limit {self.limit_bytes / GIB:.2f} GiB "
             f"({self.budget_label} {self.budget_bytes / GIB:.2f} GiB minus margin, {self.meter}), "
-            f"headroom {self.headroom_bytes / GIB:+.2f} GiB"
         )
+        if self.passed:
+            head += f"headroom {self.headroom_bytes / GIB:+.2f} GiB"
+        else:
+            exact = all(self.needed_bytes(p)[1] for p in self.probes)
+            over = -self.headroom_bytes / GIB
+            head += f"over it by {over:.2f} GiB" if exact else f"over it by more than {max(over, 0.0):.2f} GiB"
         lines.insert(0, head)
-        if self.max_batch:
+        if self.max_batch and self.max_batch_cap:
+            lines.append(f"  largest batch that fits the worst case: >= {self.max_batch} ({self.max_batch_cap})")
+        elif self.max_batch:
             lines.append(f"  largest batch that fits the worst case: {self.max_batch}")
         if self.suggestions:
             lines.append("  ways out, largest expected saving first (estimates from the measured peak):")
@@ -125,6 +149,11 @@ def find_max_batch(
             bad = batch
             break
         good, batch = batch, batch * 2
+    if bad is None and 0 < good < upper:  # doubling stepped past the cap: the cap itself is the last to try
+        if batch_fits(upper):
+            good = upper
+        else:
+            bad = upper
     if bad is not None:  # bisect between the last fit (or nothing) and the first failure
         while bad - good > 1:
             middle = (good + bad) // 2

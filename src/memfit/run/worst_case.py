@@ -164,21 +164,30 @@ def _probe_worst(ctx: RunContext, probes: Any) -> list[Any]:
     return measured
 
 
-def _max_batch(ctx: RunContext, probes: Any, limit: int) -> int | None:
+def _max_batch(ctx: RunContext, probes: Any, limit: int) -> tuple[int | None, str | None]:
+    """The largest batch whose worst case fits, searched up to preflight.max_batch_limit or the number of training
+    samples (a larger batch would repeat samples); and, where the search reached that cap, what the cap was."""
     from memfit.memory.preflight import find_max_batch
     from memfit.progress import progress_bar
 
     worst_shape = max(ctx.prepared.audit.worst_train, key=lambda s: s.tokens)
+    samples = len(ctx.prepared.datasets["train"])
+    upper = min(ctx.cfg.preflight.max_batch_limit, samples)
     with progress_bar("max batch search", None) as show:
         largest = find_max_batch(
-            probes,
-            worst_shape,
-            limit,
-            ctx.cfg.preflight.max_batch_limit,
-            on_probe=lambda batch: show(advance=1, note=f"probing batch {batch}"),
+            probes, worst_shape, limit, upper, on_probe=lambda batch: show(advance=1, note=f"probing batch {batch}")
         )
         show(note=f"largest fitting batch {largest}")
-    return largest
+    return largest, _cap_note(largest, upper, samples)
+
+
+def _cap_note(largest: int | None, upper: int, samples: int) -> str | None:
+    """Where a largest-batch search stopped at its own cap (so larger batches may fit too), else None."""
+    if largest is None or largest < upper:
+        return None
+    if upper == samples:
+        return f"all {samples} training samples in one batch; larger not tried"
+    return "the cap preflight.max_batch_limit was reached; larger not tried"
 
 
 def _ways_out(ctx: RunContext, setup: TrainingSetup, measured: list[Any], limit: int, calibration: Any) -> list[str]:
@@ -213,13 +222,16 @@ def run_preflight(ctx: RunContext, setup: TrainingSetup) -> WorstCase:
     calibration = calibrate(ctx, setup, probes)
     start = time.perf_counter()
     measured = _probe_worst(ctx, probes)
+    for each in measured:  # what an OOM's batch needs, where the memory model can say
+        if each.oom and calibration is not None:
+            each.predicted_bytes = calibration.estimate(each.shape).reserved
     passed = fits(measured, limit)
     report = PreflightReport(passed, measured, limit, budget, ctx.meter.label, cfg.model.task)
     report.budget_label = ctx.cap.judged_against
     train_probes = [p for p in measured if p.phase == "train"]
     predicted = _log_prediction(ctx, calibration, max(train_probes, key=lambda p: (p.oom, p.judged_bytes)))
     if passed and (cfg.preflight.find_max_batch or cfg.preflight_only):
-        report.max_batch = _max_batch(ctx, probes, limit)
+        report.max_batch, report.max_batch_cap = _max_batch(ctx, probes, limit)
     if not passed:
         report.suggestions = _ways_out(ctx, setup, measured, limit, calibration)
     report.seconds = time.perf_counter() - start
