@@ -69,14 +69,11 @@ def _return_freed_memory() -> None:
     its jobs in one process: without this, what an earlier job freed stays resident, and a later job's peak RSS
     counts it (memory=off,balanced on CPU: balanced measured above off second, below it first or alone)."""
     import ctypes
-    import ctypes.util
     import gc
 
     gc.collect()
-    libc = ctypes.util.find_library("c")
-    if libc:
-        with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim with
-            ctypes.CDLL(libc).malloc_trim(0)
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim with
+        ctypes.CDLL(None).malloc_trim(0)  # the process's own symbols: no search for libc
 
 
 class HostMeter:

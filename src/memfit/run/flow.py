@@ -76,17 +76,13 @@ def _start(cfg: DictConfig, clock: StartupClock) -> RunContext:
 
 
 def _record_start(ctx: RunContext) -> None:
-    ctx.tracker.log_params(_flat_config(ctx.cfg))
+    from memfit.tracking import flatten
+
+    ctx.tracker.log_params(flatten(ctx.cfg))
     ctx.tracker.log_text(OmegaConf.to_yaml(ctx.cfg, resolve=True), "config.yaml")
     ctx.clock.lap("tracking")
     _log_audit(ctx, ctx.clock.seconds["data"])
     ctx.clock.lap("audit")
-
-
-def _flat_config(cfg: DictConfig) -> dict[str, str]:
-    from memfit.tracking import flatten
-
-    return flatten(cfg)
 
 
 def _with_worst_case(report: RunReport, ctx: RunContext, worst: WorstCase) -> RunReport:

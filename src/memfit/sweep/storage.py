@@ -227,7 +227,8 @@ def beating(trials: list[Any], heartbeat_s: float | None) -> Iterator[None]:
 
 
 # --- what the study holds now -------------------------------------------------------------------------------------
-def _in(study: Any, *states: Any) -> list[Any]:
+def trials_in(study: Any, *states: Any) -> list[Any]:
+    """The study's trials in these states, uncopied."""
     return study.get_trials(deepcopy=False, states=states)
 
 
@@ -239,21 +240,21 @@ def trials_run(study: Any) -> int:
 def running(study: Any) -> int:
     import optuna
 
-    return len([t for t in _in(study, optuna.trial.TrialState.RUNNING) if counts_as_run(t)])
+    return len([t for t in trials_in(study, optuna.trial.TrialState.RUNNING) if counts_as_run(t)])
 
 
 def waiting_retries(study: Any) -> int:
     """Configurations queued again after their trial was killed or interrupted, not yet asked for."""
     import optuna
 
-    return len([t for t in _in(study, optuna.trial.TrialState.WAITING) if "retry_of" in t.user_attrs])
+    return len([t for t in trials_in(study, optuna.trial.TrialState.WAITING) if "retry_of" in t.user_attrs])
 
 
 def pending(study: Any) -> list[dict[str, Any]]:
     """Configurations queued or running now (proposals.pending_params)."""
     import optuna
 
-    return pending_params(_in(study, optuna.trial.TrialState.WAITING, optuna.trial.TrialState.RUNNING))
+    return pending_params(trials_in(study, optuna.trial.TrialState.WAITING, optuna.trial.TrialState.RUNNING))
 
 
 def over_quota(study: Any, trial: Any, n_trials: int) -> bool:
@@ -261,7 +262,7 @@ def over_quota(study: Any, trial: Any, n_trials: int) -> bool:
     import optuna
 
     states = optuna.trial.TrialState
-    return proposals.over_quota(trial, _in(study, states.RUNNING, states.COMPLETE, states.FAIL), n_trials)
+    return proposals.over_quota(trial, trials_in(study, states.RUNNING, states.COMPLETE, states.FAIL), n_trials)
 
 
 def tell_surplus(study: Any, trial: Any) -> None:

@@ -47,10 +47,6 @@ def _value_text(value: Any) -> str:
     return str(value) if not isinstance(value, str) else value
 
 
-def _trials_in(study: Any, *states: Any) -> list[Any]:
-    return study.get_trials(deepcopy=False, states=states)
-
-
 class BudgetSweep:
     def __init__(self, **settings: Any) -> None:
         self.settings = DictConfig(settings) if not isinstance(settings, DictConfig) else settings

@@ -52,7 +52,7 @@ class TrialTeller:
 
         complete, running = optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.RUNNING
         # one read of both: a trial another worker completes between two reads would be in neither
-        current = _trials_in(study, complete, running)
+        current = storage.trials_in(study, complete, running)
         finished = [t for t in current if t.state == complete]
         measuring = [t for t in current if t.state == running]
         return proposals.known_outcome(params, finished, measuring, self.knowledge(), number)
@@ -176,7 +176,3 @@ class TrialTeller:
             log.info("memory model: trying %s next, %s", params, note)
             study.enqueue_trial(params, user_attrs={"fills_budget": True})
             return True
-
-
-def _trials_in(study: Any, *states: Any) -> list[Any]:
-    return study.get_trials(deepcopy=False, states=states)
