@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 
 from memfit.config.data_source import check_data_source
 from memfit.config.schema import (
+    BATCHING,
     CALIBRATION_SETTINGS,
     DEVICES,
     MODEL_SOURCES,
@@ -117,6 +118,31 @@ def _validate_trainer(cfg: DictConfig, problems: list[str]) -> None:
         problems.append("trainer.predict_with_generate=true is for seq2seq models: set it to false for a causal LM")
     if t.max_steps == 0 or (t.max_steps < 0 and t.num_train_epochs <= 0):
         problems.append("trainer.max_steps/num_train_epochs give no training: set trainer.max_steps>0 or epochs>0")
+    _validate_batching(cfg, problems)
+
+
+def _validate_batching(cfg: DictConfig, problems: list[str]) -> None:
+    t = cfg.trainer
+    _choice(problems, "trainer.batching", t.batching, BATCHING)
+    if not 0 < t.micro_batch_fill <= 1:
+        problems.append(f"trainer.micro_batch_fill={t.micro_batch_fill} must be in (0, 1]: use 1.0 or e.g. 0.9")
+    _positive(problems, "trainer.max_micro_batch", t.max_micro_batch, "use a positive row count or null")
+    if t.length_buckets < 1:
+        problems.append(f"trainer.length_buckets={t.length_buckets} must be >= 1: use e.g. 6")
+    if t.batching != "budget":
+        return
+    contradictions = {
+        "trainer.predict_with_generate=true": t.predict_with_generate,
+        "preflight.enabled=false": not cfg.preflight.enabled,
+        "calibration.enabled=false": str(cfg.calibration.enabled).lower() == "false",
+        "estimate_only=true": cfg.estimate_only,
+    }
+    for setting, present in contradictions.items():
+        if present:
+            problems.append(
+                f"trainer.batching=budget contradicts {setting} (the batch plan is sized by the memory model and "
+                "proven by the preflight; generation batches are not shaped): drop it or set trainer.batching=fixed"
+            )
 
 
 def _validate_budget(cfg: DictConfig, problems: list[str]) -> None:

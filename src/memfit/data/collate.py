@@ -7,6 +7,8 @@ import contextlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from memfit.data.packing import Capacity, MicroBatches, pack, sample_lengths
+
 if TYPE_CHECKING:
     from datasets import Dataset
 
@@ -29,7 +31,11 @@ class CountingCollator:
     def __init__(self, tokenizer: Any, pad_to_multiple_of: int | None, task: str = "seq2seq"):
         from transformers import DataCollatorForSeq2Seq
 
+        self.task, self.pad_to_multiple_of = task, pad_to_multiple_of
         self.count_labels = task == "seq2seq"  # a causal LM's labels are its own input tokens
+        # trainer.batching=budget: the batch plan's capacity(source, label); a step's samples are then packed into
+        # budget-shaped micro-batches (memfit.data.packing). None: one micro-batch per step, as collated.
+        self.capacity: Capacity | None = None
         self.inner = DataCollatorForSeq2Seq(
             tokenizer, label_pad_token_id=LABEL_PAD, pad_to_multiple_of=pad_to_multiple_of, return_tensors="pt"
         )
@@ -40,6 +46,7 @@ class CountingCollator:
         self.new_shapes = 0  # micro-batches whose padded shape training had not taken before
         self.padded_tokens = 0  # tokens with padding of the batches training has taken: what the device computed
         self.micro_batches = 0
+        self.rows = 0  # samples of the micro-batches training has taken
         # Collated but not yet trained on: the dataloader runs one batch ahead of training (accelerate looks ahead
         # for the end of the data), so counting at collation would count a batch that training never took.
         self._pending: collections.deque = collections.deque()
@@ -53,7 +60,14 @@ class CountingCollator:
         finally:
             self.counting = True
 
-    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any] | MicroBatches:
+        if self.capacity is None:
+            return self._collate(features)
+        lengths = [sample_lengths(f, self.task) for f in features]
+        groups = pack(lengths, self.capacity, self.pad_to_multiple_of)
+        return MicroBatches(self._collate([features[i] for i in group]) for group in groups)
+
+    def _collate(self, features: list[dict[str, Any]]) -> dict[str, Any]:
         batch = self.inner(features)
         if self.counting:
             tokens = sum(len(f["input_ids"]) for f in features)
@@ -62,14 +76,15 @@ class CountingCollator:
                 tokens += sum(len(f["labels"]) for f in features)
                 padded_tokens += batch["labels"].numel()
             shapes = {k: tuple(v.shape) for k, v in batch.items() if hasattr(v, "shape")}
-            self._pending.append((tokens, padded_tokens, shapes))
+            self._pending.append((tokens, padded_tokens, shapes, len(features)))
         return batch
 
     def consume(self) -> None:
         """Training takes the oldest collated batch (batches are trained in the order they were collated)."""
         if self._pending:
-            tokens, padded_tokens, self.last_shape = self._pending.popleft()
+            tokens, padded_tokens, self.last_shape, rows = self._pending.popleft()
             self.tokens += tokens
+            self.rows += rows
             self.padded_tokens += padded_tokens
             self.micro_batches += 1
             shape = tuple(sorted(self.last_shape.items()))

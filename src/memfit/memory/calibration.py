@@ -49,10 +49,11 @@ FORMAT = 7  # bump when what a calibration file holds or how it is fitted change
 POLICY_KNOBS = tuple(name for name, knob in memory_knobs().items() if knob.step)
 
 
-def wanted(calibration: DictConfig, device: str) -> bool:
-    """calibration.enabled: auto calibrates on CUDA only (host RSS is too coarse to fit); true also on CPU."""
+def wanted(calibration: DictConfig, device: str, batching: str = "fixed") -> bool:
+    """calibration.enabled: auto calibrates on CUDA only (host RSS is too coarse to fit), and on CPU too where
+    budget-shaped batches need the memory model to size their plan; true always."""
     setting = str(calibration.enabled).lower()
-    return setting == "true" or (setting == "auto" and device == "cuda")
+    return setting == "true" or (setting == "auto" and (device == "cuda" or batching == "budget"))
 
 
 def calibration_shapes(

@@ -150,11 +150,15 @@ def training_arguments(cfg: DictConfig, device: str, output_dir: str, has_eval: 
     evaluate = has_eval and mem.eval_enabled
     # null eval_steps = once at the end: at max_steps, or per epoch when training by epochs
     eval_steps = t.eval_steps or (t.max_steps if t.max_steps > 0 else None)
+    # budget-shaped batches: Trainer takes one optimizer step's samples as one batch, which the collator packs into
+    # micro-batches (memfit.data.packing) and the Trainer runs one by one (memfit.training.trainer)
+    step = t.batch_size * t.gradient_accumulation_steps
+    budget = t.batching == "budget"
     kwargs: dict[str, Any] = dict(
         output_dir=output_dir,
-        per_device_train_batch_size=t.batch_size,
-        per_device_eval_batch_size=mem.eval_batch_size or t.batch_size,
-        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        per_device_train_batch_size=step if budget else t.batch_size,
+        per_device_eval_batch_size=mem.eval_batch_size or (step if budget else t.batch_size),
+        gradient_accumulation_steps=1 if budget else t.gradient_accumulation_steps,
         learning_rate=t.learning_rate,
         weight_decay=t.weight_decay,
         warmup_steps=t.warmup_steps,

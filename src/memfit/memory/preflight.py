@@ -32,6 +32,7 @@ class PreflightReport:
     max_batch: int | None = None
     max_batch_cap: str | None = None  # where the largest-batch search stopped, when it stopped at a cap of its own
     seconds: float = 0.0
+    failure: str | None = None  # a preflight that could not judge batches (a batch plan that holds no sample): why
 
     @property
     def worst(self) -> Probe:
@@ -53,6 +54,8 @@ class PreflightReport:
         return self.limit_bytes - needed
 
     def metrics(self) -> dict[str, float]:
+        if not self.probes:
+            return {"preflight/passed": float(self.passed), "preflight/seconds": self.seconds}
         worst = self.worst
         out = {
             "preflight/passed": float(self.passed),
@@ -75,6 +78,8 @@ class PreflightReport:
         return out
 
     def summary(self) -> str:
+        if self.failure is not None:
+            return f"preflight: {self.failure}"
         lines = []
         for each in self.probes:
             what = each.shape.describe(self.task)

@@ -12,6 +12,7 @@ from omegaconf import DictConfig
 if TYPE_CHECKING:
     from memfit.data import CountingCollator, PreparedData
     from memfit.memory.calibration import Calibration
+    from memfit.memory.plan import BatchPlan
     from memfit.memory.policy import BudgetCap
     from memfit.memory.preflight import PreflightReport
     from memfit.models import BuiltModel
@@ -71,3 +72,4 @@ class WorstCase:
     report: PreflightReport | None = None
     calibration: Calibration | None = None
     predicted_peak_gib: float | None = None
+    plan: BatchPlan | None = None  # trainer.batching=budget: the proven batch plan

@@ -9,6 +9,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from memfit.config import GIB, ConfigError, validate
 from memfit.memory.policy import apply_allocator_env, fall_back_to_fp32_on_slow_cpu, pin_one_gpu, resolve_device
+from memfit.run.batch_plan import plan_batches
 from memfit.run.context import RunContext, StartupClock, TrainingSetup, WorstCase
 from memfit.run.identity import find_resume_point, remember_run, run_name, run_tags
 from memfit.run.report import OutOfMemoryInTraining, RunReport, is_oom
@@ -92,7 +93,7 @@ def _with_worst_case(report: RunReport, ctx: RunContext, worst: WorstCase) -> Ru
     if worst.calibration is not None:
         report.calibration = calibration_path(ctx.cfg.calibration.cache_dir, worst.calibration)
         report.predicted_peak_gib = worst.predicted_peak_gib
-    if worst.report is not None:
+    if worst.report is not None and worst.report.probes:
         judged = worst.report.worst
         report.worst_case_peak_gib = judged.judged_bytes / GIB
         report.limit_gib = worst.report.limit_bytes / GIB
@@ -111,7 +112,7 @@ def _phases(ctx: RunContext) -> tuple[RunReport, WorstCase]:
     if cfg.estimate_only:
         return estimate(ctx, setup), worst
     if cfg.preflight.enabled:
-        worst = run_preflight(ctx, setup)
+        worst = plan_batches(ctx, setup) if cfg.trainer.batching == "budget" else run_preflight(ctx, setup)
         ctx.clock.lap("preflight")
         if not worst.report.passed:
             return RunReport(status="preflight_failed", reason=worst.report.summary()), worst

@@ -32,6 +32,7 @@ class RunReport:
     predicted_peak_gib: float | None = None  # the memory model's prediction (reserved) for the worst batch
     calibration: str | None = None  # the memory model's calibration file, for the sweeper's predictions
     alloc_retries: int | None = None  # times training's allocator freed its cache to stay under the cap (slow steps)
+    mean_micro_batch: float | None = None  # rows per micro-batch that training took, on average
     phase_seconds: dict[str, float] = field(default_factory=dict)  # start-up phases, preflight, training
 
     def to_dict(self) -> dict[str, Any]:

@@ -83,7 +83,8 @@ def _epoch_tokens_per_s(ctx: RunContext, setup: TrainingSetup) -> float | None:
     model = StepTimeModel.fit(setup.callback.windows[1:])
     if model is None:
         return None
-    return epoch_tokens_per_s(model, run_epoch_plan(ctx.cfg, setup.trainer.train_dataset))
+    plan = run_epoch_plan(ctx.cfg, setup.trainer.train_dataset, setup.collator.capacity)
+    return epoch_tokens_per_s(model, plan)
 
 
 def _optimizer_name(trainer: Any) -> str:
@@ -143,4 +144,5 @@ def train(ctx: RunContext, setup: TrainingSetup) -> RunReport:
         train_tokens=totals.tokens,
         steps=totals.steps,
         alloc_retries=retries,
+        mean_micro_batch=setup.collator.rows / setup.collator.micro_batches if setup.collator.micro_batches else None,
     )

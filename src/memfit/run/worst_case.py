@@ -62,7 +62,7 @@ def calibrate(ctx: RunContext, setup: TrainingSetup, probes: Any) -> Any:
     from memfit.progress import progress_bar
 
     cfg = ctx.cfg
-    if not wanted(cfg.calibration, ctx.device):
+    if not wanted(cfg.calibration, ctx.device, cfg.trainer.batching):
         return None
     calibration = cached(cfg, ctx.device)
     if calibration is not None:

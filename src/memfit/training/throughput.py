@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig
 
-from memfit.data.audit import padded
+from memfit.data.packing import Capacity, dataset_lengths, epoch_micro_batches, epoch_order
 
 
 @dataclass(frozen=True)
@@ -91,54 +91,39 @@ def epoch_plan(
     task: str,
     group_by_length: bool,
     seed: int = 0,
+    capacity: Capacity | None = None,
 ) -> EpochPlan:
-    """The epoch's micro-batches in the order Trainer's sampler draws them (transformers' own length-grouped
-    ordering over source lengths, megabatches of batch × accumulation; a random permutation otherwise), each padded
-    as the collator pads: source and labels each to their longest, rounded up to `multiple`. A causal LM's labels
-    are its inputs: only the inputs count. Another seed gives another order with the same statistics."""
-    import torch
-    from transformers.trainer_pt_utils import get_length_grouped_indices
-
+    """The epoch's micro-batches in the order Trainer's sampler draws them (memfit.data.packing.epoch_order,
+    megabatches of batch × accumulation), each padded as the collator pads: source and labels each to their longest,
+    rounded up to `multiple`. With a batch plan's `capacity` (trainer.batching=budget) each optimizer step's
+    batch × accumulation samples are packed into budget-shaped micro-batches, as the collator packs them. A causal
+    LM's labels are its inputs: only the inputs count."""
     source = np.asarray(source_lengths, dtype=np.int64)
     label = np.asarray(label_lengths, dtype=np.int64)
-    generator = torch.Generator().manual_seed(seed)
-    if group_by_length:
-        order = np.asarray(get_length_grouped_indices(source.tolist(), batch * accumulation, generator=generator))
-    else:
-        order = torch.randperm(len(source), generator=generator).numpy()
-    padded_tokens, shapes = 0, set()
-    for start in range(0, len(order), batch):
-        rows = order[start : start + batch]
-        shape = (len(rows), padded(int(source[rows].max()), multiple))
-        if task == "seq2seq":
-            shape += (padded(int(label[rows].max()), multiple),)
-        padded_tokens += shape[0] * sum(shape[1:])
-        shapes.add(shape)
+    order = epoch_order(source, batch * accumulation, group_by_length, seed)
+    step = batch * accumulation if capacity else batch
+    micro = epoch_micro_batches(source, label, order, step, capacity, multiple)
+    shapes = {(rows, s, lab if task == "seq2seq" else 0) for rows, s, lab in micro}
+    padded_tokens = sum(rows * (s + (lab if task == "seq2seq" else 0)) for rows, s, lab in micro)
     real = int(source.sum() + (label.sum() if task == "seq2seq" else 0))
-    return EpochPlan(real, padded_tokens, -(-len(order) // batch), len(shapes))
+    return EpochPlan(real, padded_tokens, len(micro), len(shapes))
 
 
-def run_epoch_plan(cfg: DictConfig, train_dataset: Any) -> EpochPlan:
-    """The epoch plan of a run's config over its tokenized training data (input_ids, and labels where present)."""
-    source = _lengths(train_dataset, "input_ids")
+def run_epoch_plan(cfg: DictConfig, train_dataset: Any, capacity: Capacity | None = None) -> EpochPlan:
+    """The epoch plan of a run's config over its tokenized training data, packed by the batch plan's `capacity`
+    where batches are budget-shaped."""
+    source, label = dataset_lengths(train_dataset, cfg.model.task)
     return epoch_plan(
         source,
-        _lengths(train_dataset, "labels") if "labels" in train_dataset.column_names else source,
+        label,
         batch=cfg.trainer.batch_size,
         accumulation=cfg.trainer.gradient_accumulation_steps,
         multiple=cfg.memory.pad_to_multiple_of,
         task=cfg.model.task,
         group_by_length=cfg.memory.group_by_length,
         seed=cfg.trainer.seed,
+        capacity=capacity,
     )
-
-
-def _lengths(dataset: Any, column: str) -> np.ndarray:
-    """Each row's sequence length, read from the Arrow column (no Python list per row: a large dataset's
-    token ids would otherwise be materialised at the end of every run)."""
-    import pyarrow.compute as pc
-
-    return pc.list_value_length(dataset.with_format("arrow")[column]).to_numpy(zero_copy_only=False)
 
 
 def epoch_tokens_per_s(model: StepTimeModel, plan: EpochPlan) -> float:

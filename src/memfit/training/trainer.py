@@ -7,7 +7,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from memfit.data import CountingCollator
+from memfit.data import LABEL_PAD, CountingCollator
+from memfit.data.packing import MicroBatches
 from memfit.memory.meter import CudaMeter, HostMeter
 from memfit.training.throughput import Window
 
@@ -55,7 +56,7 @@ class MemoryLoggingCallback:
         self.meter, self.tracker, self.collator = meter, tracker, collator
         self.max_train_tokens = max_train_tokens
         self._last_time = 0.0
-        self._last = (0, 0, 0, 0)  # the collator's tokens, padded tokens, micro-batches, new shapes at the last log
+        self._last = (0, 0, 0, 0, 0)  # the collator's tokens, padded tokens, micro-batches, new shapes, rows: last log
         self.windows: list[Window] = []  # between a train log and the log before it
         self._retries_before = 0
 
@@ -79,9 +80,9 @@ class MemoryLoggingCallback:
         self.meter.reset_window()
         self._last_time, self._last = time.perf_counter(), self._counts()
 
-    def _counts(self) -> tuple[int, int, int, int]:
+    def _counts(self) -> tuple[int, int, int, int, int]:
         c = self.collator
-        return c.tokens, c.padded_tokens, c.micro_batches, c.new_shapes
+        return c.tokens, c.padded_tokens, c.micro_batches, c.new_shapes, c.rows
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.tracker.flush()  # a checkpoint's steps are in MLflow: a resumed run's history has no gap
@@ -103,12 +104,17 @@ class MemoryLoggingCallback:
         metrics[prefix + "alloc_retries"] = self.alloc_retries  # cumulative since training began
         now, counts = time.perf_counter(), self._counts()
         if "loss" in logs and now > self._last_time:
-            tokens, padded_tokens, micro_batches, new_shapes = (a - b for a, b in zip(counts, self._last, strict=True))
+            tokens, padded_tokens, micro_batches, new_shapes, rows = (
+                a - b for a, b in zip(counts, self._last, strict=True)
+            )
             window = Window(tokens, now - self._last_time, padded_tokens, micro_batches, new_shapes)
             metrics["train/tokens_per_s"] = window.tokens / window.seconds
             metrics["train/window_s"] = window.seconds  # wall seconds since the last log (one step at logging_steps=1)
             metrics["train/new_shapes"] = window.new_shapes  # > 0: paid a new shape's warm-up
             metrics["train/padding_share"] = 1 - window.tokens / window.padded_tokens if window.padded_tokens else 0.0
+            metrics["train/tokens"] = window.tokens  # real tokens of the window's steps
+            metrics["train/micro_batches"] = micro_batches  # forward + backward passes in the window
+            metrics["train/micro_batch_size"] = rows / micro_batches if micro_batches else 0.0  # mean rows of each
             self.windows.append(window)
         self._last_time, self._last = now, counts
         self.tracker.log_metrics(metrics, step=state.global_step)
@@ -126,19 +132,82 @@ def make_callback(
     return cls(meter, tracker, collator, max_train_tokens)
 
 
-def _counting_only_training(base: type) -> type:
-    """The Trainer class, counting a batch's tokens when training takes it, and evaluation collating through
-    the same collator without counting: tokens/s and a token budget are about trained tokens only."""
+def label_tokens(batch: dict[str, Any], task: str) -> Any:
+    """The label positions a micro-batch's loss averages over (a causal LM predicts each token from the ones before
+    it: its first label predicts nothing)."""
+    labels = batch["labels"][:, 1:] if task == "causal" else batch["labels"]
+    return labels.ne(LABEL_PAD).sum()
 
-    def evaluate(self: Any, *args: Any, **kwargs: Any) -> Any:
+
+class _MemfitTraining:
+    """Mixed into the Trainer class (before it): counts a batch's tokens when training takes it, and evaluation
+    collates through the same collator without counting, so tokens/s and a token budget are about trained tokens.
+
+    A step of budget-shaped micro-batches (trainer.batching=budget: the collator hands over MicroBatches) runs them
+    one after another, each micro-batch's mean loss weighted by its share of the step's label tokens, so the step's
+    gradient is that of the mean loss per label token over all its samples, whatever the micro-batches' sizes.
+    Trainer sees one batch per optimizer step (gradient accumulation 1): its schedule, checkpoints and the resumed
+    position count steps of the same samples as they do with fixed batches.
+    """
+
+    task = "seq2seq"  # set on the class built by build_trainer
+    token_share: Any = None  # while a micro-batch of a budget-shaped step runs: its share of the step's label tokens
+    eval_sums: tuple[Any, Any] = (0.0, 0)  # budget-shaped evaluation: summed loss over label tokens, and the tokens
+
+    def _shares(self, inputs: MicroBatches) -> list[Any]:
+        counts = [label_tokens(micro, self.task) for micro in inputs]
+        total = sum(counts).clamp(min=1)  # a tensor: no device synchronisation
+        return [count / total for count in counts]
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
         with self.data_collator.paused():
-            return base.evaluate(self, *args, **kwargs)
+            return super().evaluate(*args, **kwargs)
 
-    def training_step(self: Any, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-        self.data_collator.consume()  # this micro-batch is now trained on: count it, remember its shape
-        return base.training_step(self, model, inputs, *args, **kwargs)
+    def training_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(inputs, MicroBatches):
+            self.data_collator.consume()  # this micro-batch is now trained on: count it, remember its shape
+            return super().training_step(model, inputs, *args, **kwargs)
+        loss = None
+        for micro, share in zip(inputs, self._shares(inputs), strict=True):
+            self.data_collator.consume()
+            self.token_share = share  # compute_loss weights the micro-batch's mean loss by it
+            part = super().training_step(model, micro, *args, **kwargs)
+            loss = part if loss is None else loss + part
+        self.token_share = None
+        return loss
 
-    return type(base.__name__, (base,), {"evaluate": evaluate, "training_step": training_step})
+    def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, **kwargs: Any) -> Any:
+        result = super().compute_loss(model, inputs, return_outputs=return_outputs, **kwargs)
+        if self.token_share is None:
+            return result
+        return (result[0] * self.token_share, result[1]) if return_outputs else result * self.token_share
+
+    def prediction_step(self, model: Any, inputs: Any, prediction_loss_only: bool, **kwargs: Any) -> Any:
+        if not isinstance(inputs, MicroBatches):
+            return super().prediction_step(model, inputs, prediction_loss_only, **kwargs)
+        total = None
+        for micro, share in zip(inputs, self._shares(inputs), strict=True):
+            mean = super().prediction_step(model, micro, True, **kwargs)[0]
+            total = mean * share if total is None else total + mean * share
+            tokens = label_tokens(micro, self.task)
+            self.eval_sums = (self.eval_sums[0] + mean * tokens, self.eval_sums[1] + tokens)
+        return total, None, None
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        """The eval loss per label token over the whole set, where budget-shaped eval batches differ in size."""
+        self.eval_sums = (0.0, 0)
+        output = super().evaluation_loop(*args, **kwargs)
+        loss_sum, tokens = self.eval_sums
+        prefix = kwargs.get("metric_key_prefix", args[3] if len(args) > 3 else "eval")
+        if int(tokens) > 0 and f"{prefix}_loss" in output.metrics:
+            output.metrics[f"{prefix}_loss"] = float(loss_sum / tokens)
+        return output
+
+    def floating_point_ops(self, inputs: Any) -> float:
+        if not isinstance(inputs, MicroBatches):
+            return super().floating_point_ops(inputs)
+        parent = super()  # zero-argument super() does not reach into a generator's scope
+        return sum(parent.floating_point_ops(micro) for micro in inputs)
 
 
 def build_trainer(
@@ -150,7 +219,7 @@ def build_trainer(
 
     base = Seq2SeqTrainer if task == "seq2seq" else Trainer
     evaluate = "validation" in datasets and args.eval_strategy != "no"
-    trainer = _counting_only_training(base)(
+    trainer = type(base.__name__, (_MemfitTraining, base), {"task": task})(
         model=model,
         args=args,
         train_dataset=datasets["train"],

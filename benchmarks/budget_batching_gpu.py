@@ -1,0 +1,139 @@
+"""Budget-shaped batches against the two fixed-batch choices, one full epoch each, on a long-tail set (issue 23).
+
+    python benchmarks/budget_batching_gpu.py --model pegasus_large --budgets 24 --tokenizer .gpu/tok \
+        --out $OUT/budget_batching_pegasus_large.json
+
+Data: benchmarks/long_tail_gpu.build_dataset (ACLSum introductions → summaries, 1% of targets 500-1,000 tokens),
+`--samples` pairs. Every arm trains one epoch at the same effective batch (`--effective`, samples per optimizer step),
+memory=balanced, lengths up to 1024/1024, eval off, under the budget enforced by the allocator cap:
+  (a) fixed: the largest batch whose worst case fits at full label length (memfit's preflight_only search);
+  (b) fixed, labels cut to `--cut` tokens: the largest batch whose worst case fits at that cut (less label coverage);
+  (c) trainer.batching=budget at full label length.
+Each arm is a fresh `python train.py` (tracking off); its report.json gives tokens/s, peaks, coverage and retries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from long_tail_gpu import build_dataset  # noqa: E402
+
+
+def train_py(overrides: list[str], run_dir: Path, timeout: int = 600) -> dict:
+    """One `python train.py` and its report.json (exit code, wall seconds, the tail of stderr on failure)."""
+    start = time.perf_counter()
+    out = subprocess.run(
+        [sys.executable, "train.py", *overrides, f"hydra.run.dir={run_dir}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=os.environ,
+    )
+    path = run_dir / "report.json"
+    report = json.loads(path.read_text()) if path.exists() else {}
+    report.update(exit_code=out.returncode, wall_s=time.perf_counter() - start, overrides=overrides)
+    if out.returncode != 0:
+        report["stderr"] = out.stderr[-2500:]
+    plan = [line for line in out.stderr.splitlines() if line.startswith(("│", "┃", "batch plan", "shapes measured"))]
+    if plan:
+        report["plan_table"] = plan[-40:]
+    train_s = report.get("phase_seconds", {}).get("train")
+    if train_s and report.get("train_tokens"):
+        report["epoch_tokens_per_s_measured"] = report["train_tokens"] / train_s  # the whole epoch, warm-up included
+    return report
+
+
+def fixed(batch: int, effective: int) -> list[str]:
+    return [f"trainer.batch_size={batch}", f"trainer.gradient_accumulation_steps={math.ceil(effective / batch)}"]
+
+
+def run_budget(common: list[str], work: Path, budget: float, args: argparse.Namespace) -> dict:
+    here = [*common, f"budget.gib={budget}"]
+    out: dict = {}
+    search = ["preflight_only=true", "trainer.batch_size=1", f"preflight.max_batch_limit={args.effective}"]
+    worst = train_py([*here, *search], work / f"{budget}_a_search")
+    out["a_search"] = worst
+    if worst.get("max_batch"):
+        out["a_fixed_full_labels"] = train_py([*here, *fixed(worst["max_batch"], args.effective)], work / f"{budget}_a")
+    cut = [f"memory.max_label_length={args.cut}"]
+    typical = train_py([*here, *cut, *search], work / f"{budget}_b_search")
+    out["b_search"] = typical
+    if typical.get("max_batch"):
+        out["b_fixed_cut_labels"] = train_py(
+            [*here, *cut, *fixed(typical["max_batch"], args.effective)], work / f"{budget}_b"
+        )
+    shaped = ["trainer.batching=budget", *fixed(args.effective, args.effective)]
+    out["c_budget"] = train_py([*here, *shaped], work / f"{budget}_c")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="pegasus_large")
+    parser.add_argument("--budgets", type=float, nargs="+", default=[24])
+    parser.add_argument("--samples", type=int, default=800)
+    parser.add_argument("--effective", type=int, default=32)
+    parser.add_argument("--cut", type=int, default=64)
+    parser.add_argument("--tokenizer", default=None)
+    parser.add_argument("--work", default="/tmp/memfit-budget-batching")
+    parser.add_argument("--out", default="benchmarks/results/budget_batching.json")
+    parser.add_argument("--device", default="cuda", help="cpu only to smoke-test this script")
+    args = parser.parse_args()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    data = work / "long_tail.jsonl"
+    results: dict = {"command": " ".join(sys.argv), "dataset": build_dataset(data, samples=args.samples)}
+    common = [
+        f"model={args.model}",
+        "memory=balanced",
+        "data=jsonl",
+        f"data.path={data}",
+        "data.validation_fraction=0",
+        "memory.max_source_length=1024",
+        "memory.max_label_length=1024",
+        "memory.eval_enabled=false",
+        "trainer.max_steps=-1",
+        "trainer.num_train_epochs=1",
+        f"trainer.device={args.device}",
+        "tracking=none",
+        f"calibration.cache_dir={work}/calibration",
+    ]
+    if args.tokenizer:
+        common.append(f"model.tokenizer={args.tokenizer}")
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    for budget in args.budgets:
+        results[f"{budget:g}GiB"] = run_budget(common, work, budget, args)
+        out_path.write_text(json.dumps(results, indent=1))
+    print(summary(results), flush=True)
+
+
+def summary(results: dict) -> str:
+    lines = []
+    for key, arms in results.items():
+        if not key.endswith("GiB"):
+            continue
+        for arm in ("a_fixed_full_labels", "b_fixed_cut_labels", "c_budget"):
+            r = arms.get(arm, {})
+            lines.append(
+                f"{key} {arm}: exit {r.get('exit_code')} status {r.get('status')} tokens/s {r.get('tokens_per_s')} "
+                f"epoch {r.get('epoch_tokens_per_s_measured')} coverage {r.get('label_coverage')} "
+                f"peak alloc {r.get('peak_allocated_gib')} reserved {r.get('peak_reserved_gib')} "
+                f"retries {r.get('alloc_retries')} micro {r.get('mean_micro_batch')} steps {r.get('steps')}"
+            )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""The worst-case phase of a run with budget-shaped batches (trainer.batching=budget): the batch plan sized by the
+memory model (calibrated now or cached, on CPU from host-RSS probes) and proven by the preflight's probes, printed,
+recorded, and handed to the collator that packs every step's samples by it (memfit.memory.plan says what is proven)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+from memfit.config import GIB
+from memfit.run.context import RunContext, TrainingSetup, WorstCase
+from memfit.run.worst_case import budget_and_limit, calibrate, probe_setup
+
+log = logging.getLogger("memfit")
+
+
+def step_samples(cfg: Any) -> int:
+    """Samples per optimizer step: trainer.batch_size × gradient_accumulation_steps, in either batching mode."""
+    return cfg.trainer.batch_size * cfg.trainer.gradient_accumulation_steps
+
+
+def _lengths(ctx: RunContext) -> tuple[np.ndarray, np.ndarray]:
+    """(source, label) lengths of every sample a micro-batch can hold: training's, and evaluation's where it runs."""
+    from memfit.data.packing import dataset_lengths
+
+    datasets, task = ctx.prepared.datasets, ctx.cfg.model.task
+    splits = ["train"] + (["validation"] if ctx.cfg.memory.eval_enabled and "validation" in datasets else [])
+    pairs = [dataset_lengths(datasets[split], task) for split in splits]
+    return np.concatenate([p[0] for p in pairs]), np.concatenate([p[1] for p in pairs])
+
+
+def _epoch_micro_batches(ctx: RunContext, plan: Any) -> list[tuple[int, int, int]]:
+    """One training epoch as the collator will pack it (the sampler's order under the run's seed)."""
+    from memfit.data.packing import dataset_lengths, epoch_micro_batches, epoch_order
+
+    cfg = ctx.cfg
+    source, label = dataset_lengths(ctx.prepared.datasets["train"], cfg.model.task)
+    order = epoch_order(source, step_samples(cfg), cfg.memory.group_by_length, cfg.trainer.seed)
+    return epoch_micro_batches(source, label, order, step_samples(cfg), plan.capacity, cfg.memory.pad_to_multiple_of)
+
+
+def _record(ctx: RunContext, plan: Any, micro: list[tuple[int, int, int]]) -> None:
+    from memfit.memory.plan import plan_metrics, plan_rows, render_plan
+
+    table = render_plan(plan, micro, ctx.meter.label)
+    log.info("\n%s", table.rstrip())
+    ctx.tracker.log_metrics(plan_metrics(plan, micro), step=0)
+    ctx.tracker.log_text(table, "batch_plan/batch_plan.txt")
+    record = {
+        "limit_gib": plan.limit_bytes / GIB,
+        "fill": plan.fill,
+        "cap": plan.cap,
+        "source_edges": list(plan.source_edges),
+        "label_edges": list(plan.label_edges),
+        "prediction_scale": plan.factor,
+        "rounds": plan.rounds,
+        "cells": plan_rows(plan, micro),
+        "measured": [
+            {"shape": [s.batch, s.source, s.label], "oom": p.oom, "reserved_gib": p.judged_bytes / GIB}
+            for s, p in plan.measured.items()
+        ],
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/batch_plan.json"
+        with open(path, "w") as out:
+            json.dump(record, out, indent=1)
+        ctx.tracker.log_artifact(path, "batch_plan")
+
+
+def _predictor(calibration: Any, plan: Any, measure: Any, budget: int) -> Any:
+    """The memory model's prediction of a shape's peak reserved bytes; without one (not calibrated: another process
+    is calibrating, or the model is not one memfit can fit), peaks scaled from two probes of the longest cell."""
+    from memfit.data.audit import BatchShape
+    from memfit.memory.plan import scaled_predictor
+
+    if calibration is not None:
+        return lambda shape: calibration.estimate(shape).reserved
+    longest = BatchShape(1, plan.source_edges[-1], plan.label_edges[-1])
+    log.info("batch plan: no memory model; sizes scaled from two probes of %s", longest.describe(plan.task))
+    return scaled_predictor(measure(longest), measure(BatchShape(2, longest.source, longest.label)), budget)
+
+
+def plan_batches(ctx: RunContext, setup: TrainingSetup) -> WorstCase:
+    """Size and prove the batch plan; a passing one is set on the collator. A plan that cannot hold some sample
+    fails the preflight with one line (the sample's lengths and the nearest way out)."""
+    from memfit.memory.plan import PlanError, grid, prove
+    from memfit.memory.preflight import PreflightReport
+    from memfit.memory.probe import probe
+    from memfit.progress import progress_bar
+
+    cfg = ctx.cfg
+    probes = probe_setup(ctx, setup)
+    budget, limit = budget_and_limit(ctx)
+    calibration = calibrate(ctx, setup, probes)  # budget batching calibrates on every device (calibration.wanted)
+    start = time.perf_counter()
+    source, label = _lengths(ctx)
+    plan = grid(
+        source,
+        label,
+        task=cfg.model.task,
+        buckets=cfg.trainer.length_buckets,
+        multiple=cfg.memory.pad_to_multiple_of,
+        limit_bytes=limit,
+        fill=cfg.trainer.micro_batch_fill,
+        cap=min(cfg.trainer.max_micro_batch or step_samples(cfg), step_samples(cfg)),
+    )
+
+    report = PreflightReport(False, [], limit, budget, ctx.meter.label, cfg.model.task)
+    report.budget_label = ctx.cap.judged_against
+    with progress_bar("batch plan", None) as show:
+
+        def measure(shape: Any) -> Any:
+            show(advance=1, note=f"probing {shape.describe(cfg.model.task)}")
+            return probe(probes, shape)[0]
+
+        predict = _predictor(calibration, plan, measure, budget)
+        try:
+            prove(plan, predict, measure, budget)
+        except PlanError as err:
+            report.failure = str(err)
+            log.error("preflight: %s", err)
+    report.seconds = time.perf_counter() - start
+    if report.failure is None:
+        report.passed = True
+        report.probes = [plan.measured[shape] for shape in plan.proof_shapes()]
+        _record(ctx, plan, _epoch_micro_batches(ctx, plan))
+        setup.collator.capacity = plan.capacity
+    ctx.tracker.log_metrics(report.metrics(), step=0)
+    ctx.tracker.log_text(report.summary(), "preflight.txt")
+    worst = max(report.probes, key=lambda p: p.judged_bytes, default=None)
+    predicted = predict(worst.shape) / GIB if worst is not None else None
+    return WorstCase(report, calibration, predicted, plan if report.passed else None)

@@ -1,0 +1,115 @@
+"""The batch plan of trainer.batching=budget (memfit.memory.plan): its grid, its sizes, and its proof.
+
+The memory here is a formula (static bytes plus bytes per padded token), so each property can be checked exactly;
+the real probes run in tests/run/test_budget_batching.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from memfit.config import GIB
+from memfit.data.audit import BatchShape, padded
+from memfit.data.packing import epoch_micro_batches, epoch_order
+from memfit.memory.meter import MemoryPeak
+from memfit.memory.plan import PlanError, grid, prove
+from memfit.memory.probe import Probe
+
+STATIC = 1 * GIB
+LIMIT = 3 * GIB
+
+
+def _peak(shape: BatchShape, per_token: float) -> int:
+    return int(STATIC + per_token * shape.batch * (shape.source + 3 * shape.label))
+
+
+def _predict(shape: BatchShape) -> float:
+    return _peak(shape, 128 * 1024)
+
+
+def _measuring(per_token: float, log: list[BatchShape]):
+    """A device whose peaks follow the formula at `per_token` bytes (over the limit: out of memory)."""
+
+    def measure(shape: BatchShape) -> Probe:
+        log.append(shape)
+        peak = _peak(shape, per_token)
+        if peak > 4 * GIB:
+            return Probe(shape, "train", None, attempted_bytes=peak)
+        return Probe(shape, "train", MemoryPeak(peak, peak), STATIC)
+
+    return measure
+
+
+def _long_tail(n: int = 400, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    source = rng.integers(50, 200, n)
+    label = rng.integers(8, 64, n)
+    label[rng.choice(n, n // 100, replace=False)] = rng.integers(600, 1200, n // 100)  # 1% long labels
+    return source, label
+
+
+def _plan(source, label, cap=32, fill=1.0):
+    return grid(source, label, task="seq2seq", buckets=6, multiple=8, limit_bytes=LIMIT, fill=fill, cap=cap)
+
+
+def _every_micro_batch_is_dominated_by_a_measured_fit(plan, source, label, seed=0):
+    order = epoch_order(source, 32, group_by_length=False, seed=seed)
+    micro = epoch_micro_batches(source, label, order, 32, plan.capacity, 8)
+    assert sum(rows for rows, _, _ in micro) == len(source)  # each sample once
+    fits = [s for s, p in plan.measured.items() if not p.oom and p.judged_bytes <= LIMIT]
+    for rows, s, lab in micro:
+        assert any(f.batch >= rows and f.source >= s and f.label >= lab for f in fits), (rows, s, lab)
+    return micro
+
+
+def test_the_grid_covers_every_sample_with_tail_edges():
+    source, label = _long_tail()
+    plan = _plan(source, label)
+    assert plan.label_edges[-1] == padded(int(label.max()), 8) and plan.source_edges[-1] == padded(int(source.max()), 8)
+    assert sum(plan.samples.values()) == len(source) and None not in plan.samples
+    assert any(edge >= 600 for edge in plan.label_edges[:-1])  # the 1% tail has an edge of its own inside it
+
+
+def test_short_cells_get_large_batches_long_ones_small_and_each_micro_batch_is_proven():
+    source, label = _long_tail()
+    measured: list[BatchShape] = []
+    plan = prove(_plan(source, label), _predict, _measuring(128 * 1024, measured), budget_bytes=4 * GIB)
+    batches = plan.batches
+    short = max(b for (i, j), b in batches.items() if j == 0)
+    longest = min(b for (i, j), b in batches.items() if j == len(plan.label_edges) - 1)
+    assert short == 32 and 1 <= longest <= 4
+    assert plan.rounds == 1 and set(measured) == set(plan.proof_shapes())  # an exact memory model: one round
+    for cell, batch in batches.items():  # each cell the largest batch whose prediction fits
+        assert _predict(plan.shape(cell, batch)) <= LIMIT
+        assert batch == plan.cap or _predict(plan.shape(cell, batch + 1)) > LIMIT
+    micro = _every_micro_batch_is_dominated_by_a_measured_fit(plan, source, label)
+    assert np.mean([rows for rows, _, _ in micro]) > 12  # most steps at large micro-batches
+
+
+def test_a_device_that_needs_more_than_predicted_tightens_the_plan_until_it_fits():
+    source, label = _long_tail(seed=1)
+    measured: list[BatchShape] = []
+    plan = prove(_plan(source, label), _predict, _measuring(1.4 * 128 * 1024, measured), budget_bytes=4 * GIB)
+    assert plan.rounds > 1 and plan.factor > 1.2  # measured over prediction: predictions scaled up
+    assert plan.proven
+    for shape in plan.proof_shapes():
+        assert _peak(shape, 1.4 * 128 * 1024) <= LIMIT
+    _every_micro_batch_is_dominated_by_a_measured_fit(plan, source, label, seed=2)
+
+
+def test_a_lower_fill_leaves_headroom_and_a_cap_bounds_the_rows():
+    source, label = _long_tail()
+    full = prove(_plan(source, label), _predict, _measuring(128 * 1024, []), 4 * GIB)
+    partial = prove(_plan(source, label, cap=8, fill=0.8), _predict, _measuring(128 * 1024, []), 4 * GIB)
+    assert max(partial.batches.values()) == 8
+    assert all(partial.batches[c] <= full.batches[c] for c in full.batches)
+    assert all(_predict(partial.shape(c)) <= 0.8 * LIMIT for c in partial.batches)
+
+
+def test_a_sample_that_does_not_fit_alone_fails_with_one_line_naming_it_and_a_way_out():
+    source, label = _long_tail()
+    label[5] = 8000  # 8000 label positions at 384 KiB each: over the limit even alone
+    with pytest.raises(PlanError) as err:
+        prove(_plan(source, label), _predict, _measuring(128 * 1024, []), 4 * GIB)
+    message = str(err.value)
+    assert "\n" not in message and "label 8000" in message and "memory.max_label_length=" in message

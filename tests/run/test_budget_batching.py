@@ -1,0 +1,84 @@
+"""trainer.batching=budget end to end on CPU (host-memory budget, tiny models): the plan is calibrated and proven
+by real probes before step 1, recorded in MLflow, and training takes budget-shaped micro-batches."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from memfit.config import ConfigError
+from memfit.run import run
+from memfit.tracking import default_tracking_uri
+from tests.conftest import FAST
+
+pytestmark = pytest.mark.slow
+
+
+def _budget_run(compose_cfg, data, *overrides):
+    return run(
+        compose_cfg(
+            "model=tiny_seq2seq",
+            "data=jsonl",
+            f"data.path={data}",
+            *FAST,
+            "data.max_train_samples=null",
+            "memory.max_label_length=512",
+            "memory.max_source_length=512",
+            "memory.pad_to_multiple_of=8",
+            "trainer.batching=budget",
+            "trainer.batch_size=8",
+            "trainer.gradient_accumulation_steps=2",
+            "calibration.probe_tokens=1024",
+            "budget.margin_gib=0",
+            *overrides,
+        )
+    )
+
+
+def _plan(client, run_id) -> dict:
+    path = client.download_artifacts(run_id, "batch_plan/batch_plan.json")
+    with open(path) as f:
+        return json.load(f)
+
+
+def test_a_binding_budget_gives_long_labels_small_micro_batches_short_ones_large(compose_cfg, long_tail_jsonl):
+    roomy = _budget_run(compose_cfg, long_tail_jsonl, "budget.gib=16", "preflight_only=true")
+    assert roomy.status == "ok"
+    client = MlflowClient(default_tracking_uri(roomy_dir := str(compose_cfg().output_dir)))
+    first = _plan(client, roomy.run_id)
+    assert {cell["batch"] for cell in first["cells"]} == {16}  # roomy: every cell at the step's 16 samples
+    short = min(cell["predicted_gib"] for cell in first["cells"])
+    longest = max(m["reserved_gib"] for m in first["measured"])
+    budget = (short + longest) / 2  # between the short cells' peak and the long labels': it binds
+
+    report = _budget_run(compose_cfg, long_tail_jsonl, f"budget.gib={budget:.3f}", "trainer.max_steps=3")
+    assert report.status == "ok" and report.steps == 3, report.reason
+    run_id = report.run_id
+    plan = _plan(client, run_id)
+    batches = [cell["batch"] for cell in plan["cells"] if cell["samples"] > 0]
+    assert max(batches) == 16 and min(batches) <= 12  # short cells large, long-label cells smaller
+    assert all(m["reserved_gib"] <= plan["limit_gib"] for m in plan["measured"] if not m["oom"]) or plan["rounds"] > 1
+    proven = {tuple(m["shape"]) for m in plan["measured"] if not m["oom"] and m["reserved_gib"] <= plan["limit_gib"]}
+    assert proven  # every proof shape measured within the limit (the run would have stopped otherwise)
+    recorded = client.get_run(run_id)
+    assert recorded.info.status == "FINISHED" and recorded.data.metrics["plan/max_batch"] == 16
+    assert recorded.data.metrics["plan/min_batch"] < 16 and recorded.data.metrics["preflight/passed"] == 1.0
+    sizes = client.get_metric_history(run_id, "train/micro_batch_size")
+    micro = client.get_metric_history(run_id, "train/micro_batches")
+    assert [m.step for m in sizes] == [1, 2, 3] and all(m.value >= 1 for m in sizes)
+    assert all(m.value >= 1 for m in micro)
+    table = Path(client.download_artifacts(run_id, "batch_plan/batch_plan.txt")).read_text()
+    assert "batch plan (trainer.batching=budget)" in table
+    assert roomy_dir  # both runs in one store
+
+
+def test_budget_batching_contradictions_are_one_line_before_any_model_load(compose_cfg):
+    with pytest.raises(ConfigError) as err:
+        run(compose_cfg("model=tiny_seq2seq", *FAST, "trainer.batching=budget", "preflight.enabled=false"))
+    assert "trainer.batching=budget contradicts preflight.enabled=false" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        run(compose_cfg("model=tiny_seq2seq", *FAST, "trainer.batching=sometimes"))
+    assert "trainer.batching='sometimes' is not one of fixed, budget" in str(err.value)

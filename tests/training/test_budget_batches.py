@@ -1,0 +1,74 @@
+"""Training on budget-shaped micro-batches: one optimizer step over micro-batches of different sizes has the
+gradient of the mean loss per label token over all of the step's samples (memfit.training.trainer)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memfit.data import CountingCollator
+from memfit.data.packing import MicroBatches
+from memfit.memory.policy import training_arguments
+from memfit.models import build_model, build_tokenizer
+from memfit.training.trainer import build_trainer, label_tokens
+from tests.conftest import FAST
+
+DROPOUTS = {
+    "tiny_seq2seq": ("dropout", "attention_dropout", "activation_dropout"),
+    "tiny_causal": ("attention_dropout",),
+}
+
+
+def _features(tokenizer, task: str) -> list[dict]:
+    """Four samples of unequal sources and labels (a causal LM: prompt masked, response trained on)."""
+    features = []
+    for n, (source_words, label_words) in enumerate([(3, 2), (9, 7), (5, 12), (14, 4)]):
+        source = tokenizer(f"sample {n} " + "word " * source_words)["input_ids"]
+        label = tokenizer(text_target="summary " * label_words)["input_ids"]
+        if task == "causal":
+            features.append({"input_ids": source + label, "labels": [-100] * len(source) + label})
+        else:
+            features.append({"input_ids": source, "labels": label})
+        features[-1]["attention_mask"] = [1] * len(features[-1]["input_ids"])
+    return features
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("model_name", ["tiny_seq2seq", "tiny_causal"])
+def test_a_step_over_unequal_micro_batches_has_the_gradient_of_the_per_token_loss(compose_cfg, tmp_path, model_name):
+    no_dropout = [f"+model.architecture.{name}=0.0" for name in DROPOUTS[model_name]]  # one function in both
+    cfg = compose_cfg(f"model={model_name}", *FAST, *no_dropout, "trainer.batching=budget", "trainer.batch_size=4")
+    task = cfg.model.task
+    tokenizer = build_tokenizer(cfg.model)
+    model = build_model(cfg, tokenizer, "cpu").model
+    collator = CountingCollator(tokenizer, None, task)
+    args = training_arguments(cfg, "cpu", str(tmp_path), has_eval=False)
+    assert args.per_device_train_batch_size == 4 and args.gradient_accumulation_steps == 1
+    features = _features(tokenizer, task)
+    trainer = build_trainer(task, model, tokenizer, {"train": features}, args, collator, [])
+
+    step = MicroBatches([collator([features[0]]), collator(features[1:])])  # micro-batches of 1 and 3 rows
+    trainer.current_gradient_accumulation_steps = 1  # what Trainer's loop sets: one batch per optimizer step
+    model.zero_grad()
+    loss = trainer.training_step(model, step)
+    budget_shaped = _grads(model)
+
+    model.zero_grad()
+    whole = collator(features)  # all four samples in one padded batch
+    logits = model(**{k: v for k, v in whole.items() if k != "labels"} | {"labels": whole["labels"]}).logits
+    labels = whole["labels"]
+    if task == "causal":
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    per_token = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    per_token.backward()
+    direct = _grads(model)
+
+    assert loss.item() == pytest.approx(per_token.item(), rel=1e-5)
+    assert budget_shaped.keys() == direct.keys() and direct
+    for name, grad in direct.items():
+        torch.testing.assert_close(budget_shaped[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert collator.micro_batches == 2 and collator.rows == 4  # both micro-batches counted as trained on
+    assert int(label_tokens(whole, task)) == int(labels.ne(-100).sum())
