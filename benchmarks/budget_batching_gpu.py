@@ -45,7 +45,8 @@ def train_py(overrides: list[str], run_dir: Path, timeout: int = 600) -> dict:
     report.update(exit_code=out.returncode, wall_s=time.perf_counter() - start, overrides=overrides)
     if out.returncode != 0:
         report["stderr"] = out.stderr[-2500:]
-    plan = [line for line in out.stderr.splitlines() if line.startswith(("│", "┃", "batch plan", "shapes measured"))]
+    lines = (out.stdout + out.stderr).splitlines()
+    plan = [line for line in lines if line.startswith(("│", "┃", "batch plan", "shapes measured"))]
     if plan:
         report["plan_table"] = plan[-40:]
     train_s = report.get("phase_seconds", {}).get("train")
@@ -58,22 +59,23 @@ def fixed(batch: int, effective: int) -> list[str]:
     return [f"trainer.batch_size={batch}", f"trainer.gradient_accumulation_steps={math.ceil(effective / batch)}"]
 
 
-def run_budget(common: list[str], work: Path, budget: float, args: argparse.Namespace) -> dict:
+def run_budget(common: list[str], work: Path, budget: float, args: argparse.Namespace, out: dict) -> dict:
+    """The three arms at one budget, each recorded into `out` as soon as it ends."""
     here = [*common, f"budget.gib={budget}"]
-    out: dict = {}
-    search = ["preflight_only=true", "trainer.batch_size=1", f"preflight.max_batch_limit={args.effective}"]
-    worst = train_py([*here, *search], work / f"{budget}_a_search")
-    out["a_search"] = worst
-    if worst.get("max_batch"):
-        out["a_fixed_full_labels"] = train_py([*here, *fixed(worst["max_batch"], args.effective)], work / f"{budget}_a")
-    cut = [f"memory.max_label_length={args.cut}"]
-    typical = train_py([*here, *cut, *search], work / f"{budget}_b_search")
-    out["b_search"] = typical
-    if typical.get("max_batch"):
-        out["b_fixed_cut_labels"] = train_py(
-            [*here, *cut, *fixed(typical["max_batch"], args.effective)], work / f"{budget}_b"
-        )
     shaped = ["trainer.batching=budget", *fixed(args.effective, args.effective)]
+    if args.arms == "abc":
+        search = ["preflight_only=true", "trainer.batch_size=1", f"preflight.max_batch_limit={args.effective}"]
+        out["a_search"] = worst = train_py([*here, *search], work / f"{budget}_a_search")
+        if worst.get("max_batch"):
+            out["a_fixed_full_labels"] = train_py(
+                [*here, *fixed(worst["max_batch"], args.effective)], work / f"{budget}_a"
+            )
+        cut = [f"memory.max_label_length={args.cut}"]
+        out["b_search"] = typical = train_py([*here, *cut, *search], work / f"{budget}_b_search")
+        if typical.get("max_batch"):
+            out["b_fixed_cut_labels"] = train_py(
+                [*here, *cut, *fixed(typical["max_batch"], args.effective)], work / f"{budget}_b"
+            )
     out["c_budget"] = train_py([*here, *shaped], work / f"{budget}_c")
     return out
 
@@ -89,6 +91,7 @@ def main() -> None:
     parser.add_argument("--work", default="/tmp/memfit-budget-batching")
     parser.add_argument("--out", default="benchmarks/results/budget_batching.json")
     parser.add_argument("--device", default="cuda", help="cpu only to smoke-test this script")
+    parser.add_argument("--arms", default="abc", choices=["abc", "c"], help="c: the budget-shaped arm alone")
     args = parser.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -113,9 +116,15 @@ def main() -> None:
         common.append(f"model.tokenizer={args.tokenizer}")
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
+
+    class Saving(dict):
+        def __setitem__(self, key: str, value: dict) -> None:
+            super().__setitem__(key, value)
+            out_path.write_text(json.dumps(results, indent=1))
+
     for budget in args.budgets:
-        results[f"{budget:g}GiB"] = run_budget(common, work, budget, args)
-        out_path.write_text(json.dumps(results, indent=1))
+        results[f"{budget:g}GiB"] = arms = Saving()
+        run_budget(common, work, budget, args, arms)
     print(summary(results), flush=True)
 
 

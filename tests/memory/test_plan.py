@@ -49,7 +49,7 @@ def _long_tail(n: int = 400, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _plan(source, label, cap=32, fill=1.0):
-    return grid(source, label, task="seq2seq", buckets=6, multiple=8, limit_bytes=LIMIT, fill=fill, cap=cap)
+    return grid(source, label, task="seq2seq", buckets=8, multiple=8, limit_bytes=LIMIT, fill=fill, cap=cap)
 
 
 def _every_micro_batch_is_dominated_by_a_measured_fit(plan, source, label, seed=0):

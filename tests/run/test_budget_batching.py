@@ -12,25 +12,29 @@ from mlflow.tracking import MlflowClient
 from memfit.config import ConfigError
 from memfit.run import run
 from memfit.tracking import default_tracking_uri
-from tests.conftest import FAST
+from tests.conftest import FAST, readme_command
 
 pytestmark = pytest.mark.slow
 
 
+def _documented() -> list[str]:
+    """The overrides of docs/batching.md's command."""
+    return readme_command("python train.py model=tiny_seq2seq trainer.batching=budget")[2:]
+
+
 def _budget_run(compose_cfg, data, *overrides):
+    """docs/batching.md's command on a long-tail JSONL, on CPU, with the suite's fast settings where it sets none."""
+    documented = _documented()
+    keys = {o.split("=")[0] for o in [*documented, *overrides]}
+    fast = [o for o in FAST if o.split("=")[0] not in keys | {"data.max_train_samples", "memory.max_label_length"}]
     return run(
         compose_cfg(
-            "model=tiny_seq2seq",
+            *documented,
             "data=jsonl",
             f"data.path={data}",
-            *FAST,
-            "data.max_train_samples=null",
+            *fast,
             "memory.max_label_length=512",
-            "memory.max_source_length=512",
             "memory.pad_to_multiple_of=8",
-            "trainer.batching=budget",
-            "trainer.batch_size=8",
-            "trainer.gradient_accumulation_steps=2",
             "calibration.probe_tokens=1024",
             "budget.margin_gib=0",
             *overrides,
@@ -65,6 +69,7 @@ def test_a_binding_budget_gives_long_labels_small_micro_batches_short_ones_large
     assert proven  # every proof shape measured within the limit (the run would have stopped otherwise)
     recorded = client.get_run(run_id)
     assert recorded.info.status == "FINISHED" and recorded.data.metrics["plan/max_batch"] == 16
+    assert 0 < recorded.data.metrics["eval/loss"] < 20  # evaluation on packed batches: a per-token loss
     assert recorded.data.metrics["plan/min_batch"] < 16 and recorded.data.metrics["preflight/passed"] == 1.0
     sizes = client.get_metric_history(run_id, "train/micro_batch_size")
     micro = client.get_metric_history(run_id, "train/micro_batches")
@@ -73,6 +78,17 @@ def test_a_binding_budget_gives_long_labels_small_micro_batches_short_ones_large
     table = Path(client.download_artifacts(run_id, "batch_plan/batch_plan.txt")).read_text()
     assert "batch plan (trainer.batching=budget)" in table
     assert roomy_dir  # both runs in one store
+
+
+def test_a_sample_that_does_not_fit_alone_stops_the_run_before_step_1_with_one_line(compose_cfg, long_tail_jsonl):
+    report = _budget_run(compose_cfg, long_tail_jsonl, "budget.gib=0.3")  # less than the Python process itself
+    assert report.status == "preflight_failed"
+    assert "\n" not in report.reason and "trainer.batching=budget: a sample of source" in report.reason
+    assert "label 304" in report.reason and "raise budget.gib" in report.reason  # the longest label is named
+    client = MlflowClient(default_tracking_uri(str(compose_cfg().output_dir)))
+    recorded = client.get_run(report.run_id)
+    assert recorded.info.status == "FAILED" and recorded.data.metrics["preflight/passed"] == 0.0
+    assert "train/loss" not in recorded.data.metrics
 
 
 def test_budget_batching_contradictions_are_one_line_before_any_model_load(compose_cfg):

@@ -142,10 +142,18 @@ def test_the_collator_counts_micro_batches_of_a_padded_shape_not_taken_before(co
     assert collator.new_shapes == 2  # labels 3 and 5 both pad to 8: one shape; labels 9 pad to 16: a second
 
 
-def test_a_killed_run_resumes_from_its_checkpoint_in_the_same_mlflow_run(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "batching",
+    [[], ["trainer.batching=budget", "trainer.max_micro_batch=1", "calibration.probe_tokens=1024"]],
+    ids=["fixed", "budget"],
+)
+def test_a_killed_run_resumes_from_its_checkpoint_in_the_same_mlflow_run(tmp_path, monkeypatch, batching):
     """SIGKILLed after the step-2 checkpoint; rerun with trainer.resume=true: steps 3-6 are exactly those of an
-    uninterrupted run (step, optimizer, scheduler, RNG and data position restored) and MLflow holds one run."""
+    uninterrupted run (step, optimizer, scheduler, RNG and data position restored) and MLflow holds one run. With
+    budget-shaped batches too (each step's two samples in micro-batches of one row: the plan's packing resumes at
+    the same step)."""
     common = ["model=tiny_seq2seq", *FAST, "trainer.max_steps=6", "trainer.save_steps=2", "tracking.run_name=resumable"]
+    common += [*batching, f"calibration.cache_dir={tmp_path / 'calibration'}"]
     straight = run_train_py(*common, f"output_dir={tmp_path / 'straight'}")
     assert straight.returncode == 0, straight.stderr[-2000:]
 

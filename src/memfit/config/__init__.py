@@ -1,6 +1,14 @@
 """Configuration: the schema behind the YAML groups, the facts derived from it, and one-pass validation."""
 
-from memfit.config.schema import GIB, effective_lengths, limit_bytes, limit_gib, register_configs, resolve_lengths
+from memfit.config.schema import (
+    GIB,
+    effective_lengths,
+    limit_bytes,
+    limit_gib,
+    register_configs,
+    resolve_lengths,
+    step_accumulates,
+)
 from memfit.config.validate import ConfigError, validate
 
 __all__ = [
@@ -11,5 +19,6 @@ __all__ = [
     "limit_gib",
     "register_configs",
     "resolve_lengths",
+    "step_accumulates",
     "validate",
 ]

@@ -154,7 +154,7 @@ class TrainerConfig:
     batching: str = "fixed"  # fixed | budget: micro-batches shaped by the budget (memfit.memory.plan)
     micro_batch_fill: float = 1.0  # budget batching: share of the limit a micro-batch's predicted peak may use
     max_micro_batch: int | None = None  # budget batching: the most rows in one micro-batch (null: the step's samples)
-    length_buckets: int = 6  # budget batching: cell edges per length (source, label) of the batch plan's grid
+    length_buckets: int = 8  # budget batching: cell edges per length (source, label) of the batch plan's grid
 
 
 @dataclass
@@ -231,6 +231,12 @@ def effective_lengths(cfg: DictConfig) -> tuple[int, int]:
     """The run's (max source, max label) tokens: its memory policy's lengths, null resolved (resolve_lengths)."""
     mem = cfg.memory
     return resolve_lengths(mem.max_source_length, mem.max_label_length, cfg.model.task, cfg.model.max_positions)
+
+
+def step_accumulates(cfg: DictConfig) -> bool:
+    """Whether an optimizer step runs several micro-batches, so that a forward runs while the gradients of the ones
+    before it are held: gradient accumulation, or budget-shaped batches (a step's samples in several micro-batches)."""
+    return cfg.trainer.gradient_accumulation_steps > 1 or cfg.trainer.batching == "budget"
 
 
 def limit_bytes(budget_bytes: float, margin_gib: float) -> int:

@@ -23,7 +23,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from memfit.config.schema import memory_knobs
+from memfit.config.schema import memory_knobs, step_accumulates
 from memfit.data.audit import BatchShape
 from memfit.memory.model import (
     COUNTED_TERMS,
@@ -183,7 +183,7 @@ def identity(cfg: DictConfig, device_name: str, tokens: int) -> dict[str, Any]:
         },
         "policy": {knob: OmegaConf.to_container(cfg.memory, resolve=True)[knob] for knob in POLICY_KNOBS},
         # with accumulation a forward runs while the previous micro-batch's gradients are held
-        "accumulates": cfg.trainer.gradient_accumulation_steps > 1,
+        "accumulates": step_accumulates(cfg),
         "steps": cfg.preflight.steps,
         "probe_tokens": tokens,
         "device": device_name,

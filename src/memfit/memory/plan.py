@@ -1,8 +1,8 @@
 """The batch plan of trainer.batching=budget: every length range of the data trains at the largest micro-batch
 whose padded worst case fits the limit, and the plan is proven before step 1.
 
-The grid. Source and label lengths (padded as the collator pads) are cut at edges: the data's own quantiles, spaced
-towards the tail (p68, p90, p97, p99, p99.7, ... and the longest), so that most samples lie near the top of their
+The grid. Source and label lengths (padded as the collator pads) are cut at edges: the data's own quantiles (p25, p50,
+p75, then towards the tail: p90, p97, p99, p99.7, ... and the longest), so that most samples lie near the top of their
 cell and the rare long ones get cells of their own. A causal LM has one length (prompt + response). A cell holds
 the micro-batches padded to at most its edges. Only cells that hold a sample are sized.
 
@@ -36,8 +36,9 @@ from memfit.memory.probe import Probe
 
 Cell = tuple[int, int]  # (source edge index, label edge index)
 
-# quantiles of the edges: 1 - 10^(-k/2), k = 1.., then the longest (p68, p90, p96.8, p99, p99.7, p99.9, ...)
-TAIL_QUANTILES = tuple(1 - 10 ** (-k / 2) for k in range(1, 12))
+# quantiles of the edges, then the longest: the quartiles where most samples lie (a cell trains at its top edge's
+# batch, so a wide first cell sizes most samples by lengths they do not have), then towards the tail
+TAIL_QUANTILES = (0.25, 0.5, 0.75, 0.9, 0.97, 0.99, 0.997, 0.999, 0.9997, 0.9999)
 
 
 class PlanError(ValueError):
@@ -164,7 +165,7 @@ def _too_long(plan: BatchPlan, predict: Callable[[BatchShape], float]) -> str | 
     unfit = [c for c, b in plan.batches.items() if b < 1]
     if not unfit:
         return None
-    cell = min(unfit, key=lambda c: (c[1], c[0]))
+    cell = max(unfit, key=lambda c: (c[1], c[0]))  # the longest label that does not fit: name its sample
     shape = plan.shape(cell, 1)
     needed = plan.predicted[cell] / GIB
     what = f"{shape.source} tokens" if plan.task == "causal" else f"source {shape.source} × label {shape.label}"
@@ -178,10 +179,15 @@ def _too_long(plan: BatchPlan, predict: Callable[[BatchShape], float]) -> str | 
         ),
         None,
     )
-    way_out = f"set {knob}={shorter}" if shorter else "shorten the sources"
+    least = min(plan.predicted.values()) / GIB  # what the shortest sample needs alone
+    way_out = (
+        f"set {knob}={shorter}, or memory.gradient_checkpointing=true, or raise budget.gib"
+        if shorter
+        else f"even the shortest sample needs ~{least:.2f} GiB: raise budget.gib, or memory.gradient_checkpointing=true"
+    )
     return (
         f"trainer.batching=budget: a sample of {what} needs ~{needed:.2f} GiB alone (memory model), over the limit "
-        f"{plan.limit_bytes / GIB:.2f} GiB: {way_out}, or memory.gradient_checkpointing=true, or raise budget.gib"
+        f"{plan.limit_bytes / GIB:.2f} GiB: {way_out}"
     )
 
 

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from memfit.config import GIB, limit_bytes
+from memfit.config import GIB, limit_bytes, step_accumulates
 from memfit.run.context import RunContext, TrainingSetup, WorstCase
 from memfit.run.report import RunReport
 
@@ -38,7 +38,7 @@ def probe_setup(ctx: RunContext, setup: TrainingSetup) -> Any:
         precision=cfg.memory.precision,
         vocab_size=min(model_vocab, len(built.tokenizer)),
         steps=cfg.preflight.steps,
-        accumulation=cfg.trainer.gradient_accumulation_steps,
+        accumulation=2 if step_accumulates(cfg) else 1,  # the probe runs a second micro-batch on held gradients
         generate=cfg.trainer.predict_with_generate,
     )
 
@@ -198,7 +198,7 @@ def _ways_out(ctx: RunContext, setup: TrainingSetup, measured: list[Any], limit:
         measured,
         limit,
         batch=cfg.trainer.batch_size,
-        accumulation=cfg.trainer.gradient_accumulation_steps,
+        accumulation=2 if step_accumulates(cfg) else 1,  # the probe runs a second micro-batch on held gradients
         task=cfg.model.task,
         label_raw=prepared.label_raw,
         max_label=audit.max_label_length,
