@@ -17,35 +17,22 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from long_tail_gpu import build_dataset  # noqa: E402
+from long_tail_gpu import train_py as run_train_py  # noqa: E402
 
 
 def train_py(overrides: list[str], run_dir: Path, timeout: int = 600) -> dict:
-    """One `python train.py` and its report.json (exit code, wall seconds, the tail of stderr on failure)."""
-    start = time.perf_counter()
-    out = subprocess.run(
-        [sys.executable, "train.py", *overrides, f"hydra.run.dir={run_dir}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=os.environ,
-    )
-    path = run_dir / "report.json"
-    report = json.loads(path.read_text()) if path.exists() else {}
-    report.update(exit_code=out.returncode, wall_s=time.perf_counter() - start, overrides=overrides)
-    if out.returncode != 0:
-        report["stderr"] = out.stderr[-2500:]
-    lines = (out.stdout + out.stderr).splitlines()
+    """One `python train.py` (long_tail_gpu.train_py) with its plan table, read from the job's log."""
+    report = run_train_py(overrides, run_dir, timeout)
+    report["overrides"] = overrides
+    log = run_dir / "train.log"
+    lines = log.read_text().splitlines() if log.exists() else []
     plan = [line for line in lines if line.startswith(("│", "┃", "batch plan", "shapes measured"))]
     if plan:
         report["plan_table"] = plan[-40:]
