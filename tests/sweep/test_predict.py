@@ -28,3 +28,16 @@ def test_the_predicted_worst_batches_are_the_audited_ones_when_lengths_are_null(
     source, _ = effective_lengths(cfg)
     if model == "tiny_causal":  # prompt and response share the positions: null gives each half of them
         assert source == cfg.model.max_positions // 2 < audit.source_raw.max  # the cut matters on this data
+
+
+def test_a_budget_shaped_trial_is_judged_by_one_row_of_its_longest_sample(compose_cfg):
+    """Its plan shrinks long micro-batches down to one row before the trial cannot fit: a batch of 16 worst cases
+    would tell it 'predicted over budget' without running it."""
+    cfg = compose_cfg("model=tiny_seq2seq", "data.max_train_samples=64", "trainer.batch_size=16")
+    space = {"trainer.batching": optuna.distributions.CategoricalDistribution(["fixed", "budget"])}
+    predictor = MemoryPredictor(data_lengths(space, cfg), cfg, margin=0.1, effective_batch=None)
+    fixed = predictor.worst_batches({"trainer.batching": "fixed"})
+    shaped = predictor.worst_batches({"trainer.batching": "budget"})
+    assert {s.batch for s in fixed} == {16} and {s.batch for s in shaped} == {1}
+    assert max(s.source for s in shaped) == max(s.source for s in fixed)  # the same longest lengths
+    assert predictor.signature({"trainer.batching": "budget"})[-1] == ("accumulates", True)

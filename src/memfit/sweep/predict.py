@@ -41,11 +41,17 @@ class MemoryPredictor:
         held = held_accumulation(params, self.effective_batch, self.config.trainer.batch_size)
         return held if held is not None else int(self.config.trainer.gradient_accumulation_steps)
 
+    def _budget_shaped(self, params: dict[str, Any]) -> bool:
+        """Whether the trial packs budget-shaped micro-batches (trainer.batching=budget, searched or configured)."""
+        return str(params.get("trainer.batching", self.config.trainer.batching)) == "budget"
+
     def signature(self, params: dict[str, Any]) -> tuple:
         """What must match for a calibration to apply: the searched knobs that are not shapes, and whether the step
-        accumulates gradients (a forward then runs with the previous micro-batch's gradients held)."""
+        accumulates gradients (a forward then runs with the previous micro-batch's gradients held; budget-shaped
+        steps run several micro-batches too: config.step_accumulates)."""
         policy = tuple(sorted((k, str(v)) for k, v in params.items() if k not in SHAPE_KEYS))
-        return (*policy, ("accumulates", self._accumulation(params) > 1))
+        accumulates = self._accumulation(params) > 1 or self._budget_shaped(params)
+        return (*policy, ("accumulates", accumulates))
 
     def learn(self, params: dict[str, Any], path: str | None, trial_number: int) -> None:
         """Take the calibration a trial reported (the first one per policy signature)."""
@@ -73,7 +79,8 @@ class MemoryPredictor:
             model.task,
             model.max_positions,
         )
-        batch = int(params.get(BATCH, self.config.trainer.batch_size))
+        # a budget-shaped trial's plan shrinks its longest micro-batches down to one row before it gives up
+        batch = 1 if self._budget_shaped(params) else int(params.get(BATCH, self.config.trainer.batch_size))
         return self.lengths.worst_batches(batch, source, label, memory.pad_to_multiple_of)
 
     def predicted_gib(self, params: dict[str, Any]) -> tuple[float, Any, int] | None:
