@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from long_tail_gpu import build_dataset  # noqa: E402
+from long_tail_gpu import build_dataset, epoch_overrides  # noqa: E402
 from long_tail_gpu import train_py as run_train_py  # noqa: E402
 
 
@@ -85,17 +85,7 @@ def main() -> None:
     data = work / "long_tail.jsonl"
     results: dict = {"command": " ".join(sys.argv), "dataset": build_dataset(data, samples=args.samples)}
     common = [
-        f"model={args.model}",
-        "memory=balanced",
-        "data=jsonl",
-        f"data.path={data}",
-        "data.validation_fraction=0",
-        "memory.max_source_length=1024",
-        "memory.max_label_length=1024",
-        "memory.eval_enabled=false",
-        "trainer.max_steps=-1",
-        "trainer.num_train_epochs=1",
-        f"trainer.device={args.device}",
+        *epoch_overrides(args.model, data, args.device),
         "tracking=none",
         f"calibration.cache_dir={work}/calibration",
     ]

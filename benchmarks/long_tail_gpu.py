@@ -52,6 +52,23 @@ def build_dataset(
     return {"samples": samples, "long_label_rows": sorted(long_rows)}
 
 
+def epoch_overrides(model: str, data: Path, device: str) -> list[str]:
+    """One epoch of `model` on the long-tail JSONL: memory=balanced, lengths up to 1024/1024, eval off."""
+    return [
+        f"model={model}",
+        "memory=balanced",
+        "data=jsonl",
+        f"data.path={data}",
+        "data.validation_fraction=0",
+        "memory.max_source_length=1024",
+        "memory.max_label_length=1024",
+        "memory.eval_enabled=false",
+        "trainer.max_steps=-1",
+        "trainer.num_train_epochs=1",
+        f"trainer.device={device}",
+    ]
+
+
 def train_py(overrides: list[str], run_dir: Path, timeout: int = 900) -> dict:
     start = time.perf_counter()
     out = subprocess.run(
@@ -144,17 +161,7 @@ def main() -> None:
     work = Path(args.work)
     data = work / "long_tail.jsonl"
     common = [
-        f"model={args.model}",
-        "memory=balanced",
-        "data=jsonl",
-        f"data.path={data}",
-        "data.validation_fraction=0",
-        "memory.max_source_length=1024",
-        "memory.max_label_length=1024",
-        "memory.eval_enabled=false",
-        "trainer.max_steps=-1",
-        "trainer.num_train_epochs=1",
-        f"trainer.device={args.device}",
+        *epoch_overrides(args.model, data, args.device),
         f"budget.gib={BUDGET_GIB}",
         f"tracking.uri=sqlite:///{work}/mlflow.db",
         "trainer.logging_steps=1",
