@@ -33,6 +33,29 @@ def test_long_samples_share_micro_batches_with_long_ones_and_short_with_short():
     assert len(groups) == 2 + len(long_groups)
 
 
+def test_a_step_trains_in_one_micro_batch_where_its_capacity_allows_rather_than_saving_padding():
+    lengths = [(1000, 40)] * 16 + [(100, 30)] * 16  # the short ones cost 10x their own tokens padded to the long
+
+    def roomy(source: int, label: int) -> int:
+        return 32
+
+    assert [len(g) for g in pack(lengths, roomy, multiple=8)] == [32]
+
+
+def test_the_fewest_micro_batches_the_capacities_allow():
+    # at most 4 rows up to label 200, 2 beyond: the two mid samples with the two short ones padded to them, the long
+    # one alone; splitting the short ones off to spare their padding would cost a third micro-batch
+    lengths = [(64, 400), (64, 200), (64, 200), (64, 8), (64, 8)]
+
+    def capacity(source: int, label: int) -> int:
+        return 4 if label <= 200 else 2
+
+    groups = pack(lengths, capacity, multiple=8)
+    assert sorted(i for g in groups for i in g) == list(range(5))
+    assert sorted(len(g) for g in groups) == [1, 4]
+    assert all(len(g) <= capacity(0, max(lengths[i][1] for i in g)) for g in groups)
+
+
 def test_an_epoch_packs_each_sample_once_in_the_same_order_for_a_seed():
     rng = np.random.default_rng(1)
     source, label = rng.integers(5, 200, 100), rng.integers(2, 600, 100)

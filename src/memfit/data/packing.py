@@ -8,6 +8,7 @@ samples' lengths, so the collator, the epoch's throughput plan and the tests all
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,49 +25,45 @@ def sample_lengths(feature: dict, task: str) -> tuple[int, int]:
     return (source, source) if task == "causal" else (source, len(feature["labels"]))
 
 
-# a sample joins a micro-batch only if that costs at most this many times the padded tokens it would cost alone:
-# a short sample padded to a long label in spare rows of a long micro-batch would cost more compute than it saves
-MAX_PADDING_COST = 2.0
+# what one more micro-batch costs, in padded tokens: on an H200 a micro-batch of pegasus_large took as long as ~20k
+# padded tokens (a least-squares fit of seconds = a·micro-batches + b·padded tokens over four one-epoch runs at 24 and
+# 40 GiB, benchmarks/packing_cost_fit.py): kernel launches and small-batch inefficiency outweigh the padding
+# that splitting a step would save, so the packing pads rather than splits unless the padding is that large
+MICRO_BATCH_COST = 16384
 
 
 def pack(lengths: Sequence[tuple[int, int]], capacity: Capacity, multiple: int | None) -> list[list[int]]:
     """The step's samples (their (source, label) lengths) as micro-batches of indices into `lengths`.
 
-    The most constrained samples go first (the fewest rows allowed at their own lengths, then the most tokens). A
-    micro-batch takes the next sample while its padded lengths, that sample included, still allow one more row and
-    the sample adds at most MAX_PADDING_COST times its own padded tokens: long samples share micro-batches with long
-    ones, short with short, and no micro-batch exceeds the capacity of its own padded shape. A sample that fits no
-    micro-batch even alone (capacity 0) raises: the batch plan never allows one.
+    The samples are ordered most constrained first (the fewest rows allowed at their own lengths, then the most
+    tokens) and cut into consecutive micro-batches that minimise the step's cost: MICRO_BATCH_COST per micro-batch
+    plus its padded tokens (rows × longest source and label), no micro-batch holding more rows than the capacity of
+    its own padded shape. So a step trains in as few micro-batches as the plan allows, and long samples share them
+    with long ones. A sample that fits no micro-batch even alone (capacity 0) raises: the batch plan never allows one.
     """
-
-    def cost(rows: int, source: int, label: int) -> int:
-        return rows * (padded(source, multiple) + padded(label, multiple))
-
-    def own_capacity(i: int) -> int:
-        return capacity(padded(lengths[i][0], multiple), padded(lengths[i][1], multiple))
-
-    order = sorted(range(len(lengths)), key=lambda i: (own_capacity(i), -sum(lengths[i]), i))
-    groups: list[list[int]] = []
-    current: list[int] = []
-    longest = (0, 0)
+    size = [(padded(source, multiple), padded(label, multiple)) for source, label in lengths]
+    allowed = functools.lru_cache(maxsize=None)(capacity)
+    order = sorted(range(len(lengths)), key=lambda i: (allowed(*size[i]), -sum(lengths[i]), i))
     for i in order:
-        source, label = lengths[i]
-        wide = (max(longest[0], source), max(longest[1], label))
-        rows = len(current) + 1
-        if current and capacity(padded(wide[0], multiple), padded(wide[1], multiple)) >= rows:
-            added = cost(rows, *wide) - cost(rows - 1, *longest)
-            if added <= MAX_PADDING_COST * cost(1, source, label):
-                current.append(i)
-                longest = wide
-                continue
-        if own_capacity(i) < 1:
-            raise ValueError(f"no micro-batch fits a sample of source {source} × label {label} tokens")
-        if current:
-            groups.append(current)
-        current, longest = [i], (source, label)
-    if current:
-        groups.append(current)
-    return groups
+        if allowed(*size[i]) < 1:
+            raise ValueError(f"no micro-batch fits a sample of source {lengths[i][0]} × label {lengths[i][1]} tokens")
+    # best[k]: the least cost of packing order[:k]; cut[k]: where its last micro-batch starts
+    best, cut = [0.0] + [float("inf")] * len(order), [0] * (len(order) + 1)
+    for start in range(len(order)):
+        source = label = 0
+        for end in range(start, len(order)):
+            source, label = max(source, size[order[end]][0]), max(label, size[order[end]][1])
+            rows = end - start + 1
+            if allowed(source, label) < rows:
+                break  # longer micro-batches only grow in lengths and rows
+            cost = best[start] + MICRO_BATCH_COST + rows * (source + label)
+            if cost < best[end + 1]:
+                best[end + 1], cut[end + 1] = cost, start
+    groups, end = [], len(order)
+    while end:
+        groups.append(order[cut[end] : end])
+        end = cut[end]
+    return groups[::-1]
 
 
 class MicroBatches(list):
