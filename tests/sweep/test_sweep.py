@@ -788,7 +788,8 @@ def test_when_the_sampler_proposes_only_known_configurations_an_unmeasured_one_i
     configuration whose outcome is not known yet, until none is left."""
     from memfit.sweep.telling import TrialTeller
 
-    sweep = TrialTeller(OmegaConf.create({"seed": 0, "coverage_floor": 0.0}), None, ["throughput"])
+    settings = OmegaConf.create({"seed": 0, "coverage_floor": 0.0, "effective_batch": None})
+    sweep = TrialTeller(settings, OmegaConf.create({"trainer": {"batching": "fixed"}}), ["throughput"])
     study = optuna.create_study(direction="maximize")
     space = {
         "trainer.batch_size": optuna.distributions.CategoricalDistribution([4, 8, 16]),
@@ -810,3 +811,46 @@ def test_when_the_sampler_proposes_only_known_configurations_an_unmeasured_one_i
         trial.set_constraint("memory_gib", -1.0)
         study.tell(trial, 100.0)
     assert sorted(explored) == [(4, 64), (4, 128), (8, 64), (16, 64)]  # all but the measured and the dominated
+
+
+@pytest.mark.slow
+def test_a_sweep_chooses_between_fixed_and_budget_shaped_batches_and_searches_the_plans_knobs(tmp_path):
+    """docs/sweeps.md's command, with random draws that give two fixed, then budget-shaped trials."""
+    args = [
+        *readme_command("python train.py -m sweep=budget model=tiny_seq2seq budget.gib=1.7 hydra.sweeper.n_trials=4")[
+            3:
+        ],
+        "hydra.sweeper.sampler=random",
+        "hydra.sweeper.seed=4",
+        "hydra.sweeper.fill_budget=0",
+        f"output_dir={tmp_path}",
+        f"hydra.sweep.dir={tmp_path}/sweep",
+        f"hydra.sweeper.preset_dir={tmp_path}/preset",
+    ]
+    out = run_train_py("-m", *args)
+    assert out.returncode == 0, out.stderr[-3000:]
+    study = optuna.load_study(study_name="memfit-tiny_seq2seq-aclsum-1.7GiB", storage=f"sqlite:///{tmp_path}/optuna.db")
+    ran = [t for t in study.trials if not t.user_attrs.get("not_run")]
+    fixed = [t for t in ran if t.params["trainer.batching"] == "fixed"]
+    shaped = [t for t in ran if t.params["trainer.batching"] == "budget"]
+    assert fixed and shaped, [t.params for t in ran]
+    assert all("trainer.micro_batch_fill" not in t.params and "trainer.batch_size" in t.params for t in fixed)
+    assert all("trainer.micro_batch_fill" in t.params and "trainer.batch_size" not in t.params for t in shaped)
+    assert all(t.user_attrs["status"] == "ok" and t.values[0] > 0 for t in ran)
+
+    client = MlflowClient(default_tracking_uri(str(tmp_path)))
+    runs = {
+        r.data.tags.get("memfit.trial"): r
+        for r in client.search_runs([client.get_experiment_by_name("memfit").experiment_id])
+    }
+    for trial in shaped:  # the step is the effective batch, cut into budget-shaped micro-batches by its plan
+        run = runs[str(trial.number)]
+        assert run.data.params["trainer.batch_size"] == "16"
+        assert run.data.params["trainer.gradient_accumulation_steps"] == "1"
+        assert run.data.params["trainer.micro_batch_fill"] == str(trial.params["trainer.micro_batch_fill"])
+        assert run.data.metrics["plan/max_batch"] >= 1 and "train/micro_batch_size" in run.data.metrics
+    best = OmegaConf.load(tmp_path / "preset" / "tiny_seq2seq-aclsum-1.7gib.yaml")
+    if best.trainer.batching == "budget":
+        assert best.trainer.batch_size == 16 and best.trainer.gradient_accumulation_steps == 1
+    else:
+        assert best.trainer.gradient_accumulation_steps == 16 // best.trainer.batch_size

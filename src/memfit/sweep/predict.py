@@ -17,13 +17,15 @@ from omegaconf import DictConfig
 
 from memfit.config import GIB, limit_gib, resolve_lengths
 from memfit.sweep.screen import DataLengths, coverage_screen, data_lengths
-from memfit.sweep.space import SweepConfigError, held_accumulation
+from memfit.sweep.space import ACCUMULATION, BATCH, BATCHING, PLAN_KNOBS, SweepConfigError, budget_shaped, held_step
 
 log = logging.getLogger("memfit.sweep")
 
-BATCH, ACCUMULATION = "trainer.batch_size", "trainer.gradient_accumulation_steps"
 SOURCE, LABEL = "memory.max_source_length", "memory.max_label_length"
 SHAPE_KEYS = (BATCH, ACCUMULATION, SOURCE, LABEL, "trainer.seed")  # what a calibration predicts over
+# how batches are cut changes which shapes run, not what a shape needs: one calibration serves them all (whether a
+# step accumulates is in the signature)
+NOT_POLICY = (*SHAPE_KEYS, BATCHING, *PLAN_KNOBS)
 
 
 class MemoryPredictor:
@@ -38,18 +40,18 @@ class MemoryPredictor:
         """The accumulation the trial runs with: searched, held by the sweeper, or the config's."""
         if ACCUMULATION in params:
             return int(params[ACCUMULATION])
-        held = held_accumulation(params, self.effective_batch, self.config.trainer.batch_size)
-        return held if held is not None else int(self.config.trainer.gradient_accumulation_steps)
+        trainer = self.config.trainer
+        held = held_step(params, self.effective_batch, trainer.batch_size, trainer.batching).get(ACCUMULATION)
+        return held if held is not None else int(trainer.gradient_accumulation_steps)
 
     def _budget_shaped(self, params: dict[str, Any]) -> bool:
-        """Whether the trial packs budget-shaped micro-batches (trainer.batching=budget, searched or configured)."""
-        return str(params.get("trainer.batching", self.config.trainer.batching)) == "budget"
+        return budget_shaped(params, self.config.trainer.batching)
 
     def signature(self, params: dict[str, Any]) -> tuple:
         """What must match for a calibration to apply: the searched knobs that are not shapes, and whether the step
         accumulates gradients (a forward then runs with the previous micro-batch's gradients held; budget-shaped
         steps run several micro-batches too: config.step_accumulates)."""
-        policy = tuple(sorted((k, str(v)) for k, v in params.items() if k not in SHAPE_KEYS))
+        policy = tuple(sorted((k, str(v)) for k, v in params.items() if k not in NOT_POLICY))
         accumulates = self._accumulation(params) > 1 or self._budget_shaped(params)
         return (*policy, ("accumulates", accumulates))
 

@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from memfit.config import limit_gib
 from memfit.sweep.outcome import constraint_dict, directions, is_feasible
-from memfit.sweep.space import held_accumulation
+from memfit.sweep.space import ACCUMULATION, BATCH, held_step
 
 log = logging.getLogger("memfit.sweep")
 
@@ -218,8 +218,7 @@ def export_preset(study: Any, best: Any, view: SweepView) -> Path:
     cfg = view.config
     settings, groups = preset_settings(list(view.fixed))
     settings.update(best.params)
-    if (accumulation := held_accumulation(settings, view.effective_batch)) is not None:
-        settings["trainer.gradient_accumulation_steps"] = accumulation
+    settings.update(held_step(settings, view.effective_batch, batching=cfg.trainer.batching))
     settings["budget.gib"] = view.budget_gib
     node = OmegaConf.create()
     for key, value in settings.items():
@@ -264,8 +263,8 @@ def ladder_table(
             lines.append(f"| {budget:g} | nothing fits | | | | | | | |")
             continue
         params = {**(fixed or {}), **summary["best_params"]}
-        batch = params.get("trainer.batch_size", "")
-        accumulation = params.get("trainer.gradient_accumulation_steps") or held_accumulation(params, effective_batch)
+        params.update(held_step(params, effective_batch))
+        batch, accumulation = params.get(BATCH, ""), params.get(ACCUMULATION)
         lines.append(
             f"| {budget:g} | {batch} | {accumulation or ''} | {params.get('memory.max_source_length', '')} "
             f"| {params.get('memory.max_label_length', '')} | {summary['worst_case_peak_gib'] or float('nan'):.2f} "

@@ -88,18 +88,83 @@ def repeat_of(params: dict[str, Any], finished: list[Any]) -> Any | None:
     return next((other for other in finished if other.params == params), None)
 
 
-def held_accumulation(params: dict[str, Any], effective_batch: int | None, batch: int | None = None) -> int | None:
-    """Gradient accumulation that holds the effective batch (ceil(effective / batch)) when the trial does not set
-    it itself; None where nothing is held (no effective batch, or accumulation is searched)."""
-    batch = params.get("trainer.batch_size", batch)
-    if not effective_batch or not batch or "trainer.gradient_accumulation_steps" in params:
-        return None
-    return math.ceil(effective_batch / int(batch))
+BATCH, ACCUMULATION, BATCHING = "trainer.batch_size", "trainer.gradient_accumulation_steps", "trainer.batching"
+# the batch plan's knobs: they change a trial only where its batches are budget-shaped (trainer.batching=budget)
+PLAN_KNOBS = ("trainer.micro_batch_fill", "trainer.max_micro_batch", "trainer.length_buckets")
 
 
-def configurations(space: dict[str, Any], limit: int = 20_000) -> list[dict[str, Any]] | None:
-    """Every configuration of a space of choices and integer ranges; None where a parameter is continuous or the
-    space holds more than `limit` configurations (too many to predict one by one)."""
+def budget_shaped(params: dict[str, Any], batching: str = "fixed") -> bool:
+    """Whether a trial packs budget-shaped micro-batches: searched, or the configured `batching`."""
+    return str(params.get(BATCHING, batching)) == "budget"
+
+
+def applies(key: str, drawn: dict[str, Any], batching: str, effective_batch: int | None) -> bool:
+    """Whether a searched parameter changes a trial, given those drawn before it: the plan's knobs only where
+    batches are budget-shaped, and the batch size only where they are fixed or no effective batch is held (a
+    budget-shaped step is the effective batch, which the plan cuts into micro-batches itself)."""
+    shaped = budget_shaped(drawn, batching)
+    if key in PLAN_KNOBS:
+        return shaped
+    if key == BATCH:
+        return not (shaped and effective_batch)
+    return True
+
+
+def search_order(space: dict[str, Any]) -> list[str]:
+    """The space's keys, the batching mode first: what applies depends on it."""
+    return sorted(space, key=lambda key: key != BATCHING)
+
+
+def relevant(params: dict[str, Any], batching: str, effective_batch: int | None) -> dict[str, Any]:
+    """`params` without the ones that do not change the trial (`applies`): one configuration, one set of params."""
+    drawn: dict[str, Any] = {}
+    for key in search_order(params):
+        if applies(key, drawn, batching, effective_batch):
+            drawn[key] = params[key]
+    return drawn
+
+
+def suggest(trial: Any, space: dict[str, Any], batching: str, effective_batch: int | None) -> dict[str, Any]:
+    """Draw the searched parameters that apply to this trial (define-by-run: a fixed trial is not given the plan's
+    knobs, a budget-shaped one not the batch size), the batching mode first. Enqueued values are taken as given."""
+    import optuna.distributions as d
+
+    drawn: dict[str, Any] = {}
+    for key in search_order(space):
+        if not applies(key, drawn, batching, effective_batch):
+            continue
+        dist = space[key]
+        if isinstance(dist, d.CategoricalDistribution):
+            drawn[key] = trial.suggest_categorical(key, dist.choices)
+        elif isinstance(dist, d.IntDistribution):
+            drawn[key] = trial.suggest_int(key, dist.low, dist.high, step=dist.step, log=dist.log)
+        else:
+            step = None if dist.log else dist.step
+            drawn[key] = trial.suggest_float(key, dist.low, dist.high, step=step, log=dist.log)
+    return drawn
+
+
+def held_step(
+    params: dict[str, Any], effective_batch: int | None, batch: int | None = None, batching: str = "fixed"
+) -> dict[str, int]:
+    """The settings that hold the effective batch where a trial does not set them itself: a budget-shaped trial that
+    does not search the batch size steps over the effective batch as one Trainer batch (its plan cuts it into
+    micro-batches); otherwise accumulation = ceil(effective / batch). Empty where nothing is held (no effective
+    batch, or accumulation is searched)."""
+    if not effective_batch or ACCUMULATION in params:
+        return {}
+    if BATCH not in params and budget_shaped(params, batching):
+        return {BATCH: effective_batch, ACCUMULATION: 1}
+    batch = params.get(BATCH, batch)
+    return {ACCUMULATION: math.ceil(effective_batch / int(batch))} if batch else {}
+
+
+def configurations(
+    space: dict[str, Any], limit: int = 20_000, batching: str = "fixed", effective_batch: int | None = None
+) -> list[dict[str, Any]] | None:
+    """Every configuration of a space of choices and integer ranges, each with only the params that apply to it
+    (`relevant`); None where a parameter is continuous or the space holds more than `limit` configurations (too
+    many to predict one by one)."""
     from optuna.distributions import CategoricalDistribution, IntDistribution
 
     values = []
@@ -112,4 +177,8 @@ def configurations(space: dict[str, Any], limit: int = 20_000) -> list[dict[str,
             return None
     if math.prod(len(v) for v in values) > limit:
         return None
-    return [dict(zip(space, combination, strict=True)) for combination in itertools.product(*values)]
+    found: dict[tuple, dict[str, Any]] = {}  # insertion-ordered, one entry per configuration
+    for combination in itertools.product(*values):
+        params = relevant(dict(zip(space, combination, strict=True)), batching, effective_batch)
+        found.setdefault(tuple(params.items()), params)
+    return list(found.values())

@@ -29,13 +29,18 @@ OWNER_ATTR = "memfit:owner"  # a running trial's system attribute: [host, pid] o
 def make_sampler(name: str, seed: int | None, n_trials: int = 16, n_jobs: int = 1) -> Any:
     """TPE tuned for a few expensive trials: multivariate (batch size and lengths act on memory together), a short
     random start (Optuna's default of 10 random trials would be most of a GPU sweep), and constant liar when
-    trials run in parallel, so that concurrent asks do not pile onto one point."""
+    trials run in parallel, so that concurrent asks do not pile onto one point. Grouped: a budget-shaped trial draws
+    the plan's knobs and a fixed one the batch size (space.suggest), and TPE models each such group of params apart."""
+    import warnings
+
     import optuna
 
     if name == "tpe":
+        warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning, message=".*group.*")
         return optuna.samplers.TPESampler(
             seed=seed,
             multivariate=True,
+            group=True,
             n_startup_trials=min(10, max(4, n_trials // 4)),
             constant_liar=n_jobs > 1,
         )

@@ -28,7 +28,7 @@ from memfit.sweep.outcome import directions, is_feasible
 from memfit.sweep.predict import screen_data
 from memfit.sweep.results import SweepView, ladder_table, log_pareto_plot, summarise
 from memfit.sweep.settings import check_settings
-from memfit.sweep.space import SweepConfigError, held_accumulation, parse_search
+from memfit.sweep.space import SweepConfigError, held_step, parse_search, suggest
 from memfit.sweep.telling import TrialTeller
 from memfit.sweep.trials import InProcessTrials, ProcessTrials, app_argv, core_sets, standby_hint, trial_env
 
@@ -160,8 +160,8 @@ class BudgetSweep:
     # --- one trial ------------------------------------------------------------------------------------------------
     def _trial_overrides(self, trial: Any, fixed: list[str], parent: Any) -> list[str]:
         overrides = list(fixed) + [f"{k}={_value_text(v)}" for k, v in trial.params.items()]
-        if (accumulation := held_accumulation(trial.params, self.settings.effective_batch)) is not None:
-            overrides.append(f"trainer.gradient_accumulation_steps={accumulation}")
+        held = held_step(trial.params, self.settings.effective_batch, batching=self.config.trainer.batching)
+        overrides += [f"{key}={value}" for key, value in held.items()]
         if self.settings.budgets:
             overrides.append(f"budget.gib={self.budget_gib:g}")
         overrides.append(f"tracking.run_name=trial-{trial.number}")
@@ -276,11 +276,11 @@ class BudgetSweep:
                 self._launch_and_tell(study, teller, trials, fixed, parent, runner, device)
         show(completed=storage.trials_run(study), note=_best_text(study, self.objectives))
 
-    @staticmethod
-    def _ask(study: Any, space: dict[str, Any]) -> Any:
+    def _ask(self, study: Any, space: dict[str, Any]) -> Any:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # Optuna: "heartbeat is supposed to be used with Study.optimize"
-            trial = study.ask(space)
+            trial = study.ask()
+            suggest(trial, space, self.config.trainer.batching, self.settings.effective_batch)
         storage.mark_owner(trial)
         return trial
 

@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 from memfit.config import limit_gib
 from memfit.sweep import proposals, runs, storage
 from memfit.sweep.outcome import TrialOutcome, constrain, directions, is_feasible, outcome_of
-from memfit.sweep.space import configurations
+from memfit.sweep.space import configurations, relevant
 
 log = logging.getLogger("memfit.sweep")
 
@@ -133,7 +133,8 @@ class TrialTeller:
         draw = optuna.samplers.RandomSampler(seed=seed).sample_independent
 
         def draws() -> dict[str, Any]:
-            return {name: draw(study, None, name, distribution) for name, distribution in space.items()}
+            params = {name: draw(study, None, name, distribution) for name, distribution in space.items()}
+            return relevant(params, self.config.trainer.batching, self.settings.effective_batch)
 
         params = proposals.unexplored(draws, storage.pending(study), lambda p: self.known_outcome(study, p) is not None)
         if params is None:
@@ -161,7 +162,8 @@ class TrialTeller:
             if len([t for t in fills if "reused_from" not in t.user_attrs]) >= s.fill_budget:
                 return False
             pending = storage.pending(study)
-            candidates = [p for p in configurations(space) or [] if p not in pending]
+            every = configurations(space, batching=self.config.trainer.batching, effective_batch=s.effective_batch)
+            candidates = [p for p in every or [] if p not in pending]
             limit = self.limit_gib
             found = proposals.fullest_fit(
                 candidates,

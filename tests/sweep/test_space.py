@@ -1,0 +1,72 @@
+"""The search space when batches may be budget-shaped: each trial draws only the params that change it."""
+
+from __future__ import annotations
+
+import optuna
+
+from memfit.sweep import parse_search
+from memfit.sweep.space import configurations, held_step, relevant, suggest
+
+SPACE, _ = parse_search(
+    [
+        "trainer.batching=choice(fixed,budget)",
+        "trainer.batch_size=choice(2,8)",
+        "trainer.micro_batch_fill=choice(0.8,1.0)",
+        "memory.max_label_length=choice(32,256)",
+    ],
+    {},
+)
+
+
+def test_a_fixed_configuration_has_a_batch_size_and_a_budget_shaped_one_the_plans_knobs():
+    every = configurations(SPACE, effective_batch=16)
+    fixed = [p for p in every if p["trainer.batching"] == "fixed"]
+    shaped = [p for p in every if p["trainer.batching"] == "budget"]
+    assert len(fixed) == 4 and all(
+        set(p) == {"trainer.batching", "trainer.batch_size", "memory.max_label_length"} for p in fixed
+    )
+    assert len(shaped) == 4 and all(
+        set(p) == {"trainer.batching", "trainer.micro_batch_fill", "memory.max_label_length"} for p in shaped
+    )
+    # without a held effective batch, the batch size is a budget-shaped step's sample count: it applies there too
+    assert len(configurations(SPACE)) == 4 + 8
+
+
+def test_a_fixed_batching_on_the_command_line_leaves_the_plans_knobs_out():
+    space, _ = parse_search(["trainer.batch_size=choice(2,8)", "trainer.micro_batch_fill=choice(0.8,1.0)"], {})
+    assert configurations(space, batching="fixed", effective_batch=16) == [
+        {"trainer.batch_size": 2},
+        {"trainer.batch_size": 8},
+    ]
+    assert configurations(space, batching="budget", effective_batch=16) == [
+        {"trainer.micro_batch_fill": 0.8},
+        {"trainer.micro_batch_fill": 1.0},
+    ]
+
+
+def test_an_asked_trial_draws_only_what_applies_to_it_and_takes_an_enqueued_configuration_as_given():
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    drawn = []
+    for _ in range(12):
+        trial = study.ask()
+        drawn.append(suggest(trial, SPACE, "fixed", 16))
+        assert trial.params == drawn[-1] == relevant(drawn[-1], "fixed", 16)
+        study.tell(trial, 1.0)
+    assert {p["trainer.batching"] for p in drawn} == {"fixed", "budget"}
+    queued = {"trainer.batching": "budget", "trainer.micro_batch_fill": 0.8, "memory.max_label_length": 256}
+    study.enqueue_trial(queued)
+    trial = study.ask()
+    assert suggest(trial, SPACE, "fixed", 16) == queued
+
+
+def test_a_budget_shaped_trial_steps_over_the_effective_batch_and_a_fixed_one_accumulates_to_it():
+    assert held_step({"trainer.batching": "budget"}, 32) == {
+        "trainer.batch_size": 32,
+        "trainer.gradient_accumulation_steps": 1,
+    }
+    assert held_step({"trainer.batching": "fixed", "trainer.batch_size": 5}, 32) == {
+        "trainer.gradient_accumulation_steps": 7
+    }
+    assert held_step({}, 32, batching="budget") == {"trainer.batch_size": 32, "trainer.gradient_accumulation_steps": 1}
+    assert held_step({"trainer.batch_size": 4}, None) == {}  # nothing held
+    assert held_step({"trainer.batch_size": 4, "trainer.gradient_accumulation_steps": 2}, 32) == {}  # searched
