@@ -191,14 +191,30 @@ class MlflowTracker:
         return True
 
 
-def end_if_running(cfg: DictConfig, run_id: str, status: str, reason: str) -> bool:
-    """End a run whose process could not (a killed or stopped trial), unless it ended itself; without reopening it
-    (a continued MlflowTracker marks its run RUNNING)."""
+def _run_status(cfg: DictConfig, run_id: str) -> str | None:
+    """A run's status in the configured store; None where the store has no such run (it lives in another store)."""
+    from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=tracking_uri(cfg))
-    if client.get_run(run_id).info.status != "RUNNING":
+    try:
+        return MlflowClient(tracking_uri=tracking_uri(cfg)).get_run(run_id).info.status
+    except MlflowException:
+        return None
+
+
+def run_exists(cfg: DictConfig, run_id: str) -> bool:
+    """Whether the configured store holds this run (a study remembers runs of the store it first logged to)."""
+    return _run_status(cfg, run_id) is not None
+
+
+def end_if_running(cfg: DictConfig, run_id: str, status: str, reason: str) -> bool:
+    """End a run whose process could not (a killed or stopped trial), unless it ended itself or is not in this
+    store; without reopening it (a continued MlflowTracker marks its run RUNNING)."""
+    from mlflow.tracking import MlflowClient
+
+    if _run_status(cfg, run_id) != "RUNNING":
         return False
+    client = MlflowClient(tracking_uri=tracking_uri(cfg))
     client.set_tag(run_id, "memfit.reason", _tag_value(reason))
     client.set_terminated(run_id, status=status)
     return True

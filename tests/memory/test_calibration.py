@@ -307,7 +307,9 @@ def test_once_calibrated_the_fullest_predicted_fit_is_tried_next_for_a_throughpu
         "memory.gradient_checkpointing": optuna.distributions.CategoricalDistribution([False, True]),
     }
     predictor = MemoryPredictor(data_lengths(space, cfg), cfg, margin=0.1, effective_batch=None)
-    settings = OmegaConf.create({"coverage_floor": 0.0, "predict_margin": 0.1, "fill_budget": 2})
+    settings = OmegaConf.create(
+        {"coverage_floor": 0.0, "predict_margin": 0.1, "fill_budget": 2, "effective_batch": None}
+    )
     sweep = TrialTeller(settings, cfg, ["throughput"], 100.0, predictor=predictor)
     study = optuna.create_study(direction="maximize")
     assert not sweep.queue_fullest_fit(study, space)  # nothing calibrated yet: the sampler proposes

@@ -3,11 +3,14 @@ under it, the ladder's run above a budget ladder's studies, and the sweeper's vi
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from omegaconf import DictConfig
 
 from memfit.sweep.outcome import TrialOutcome
+
+log = logging.getLogger("memfit.sweep")
 
 
 def parent_run(
@@ -17,7 +20,7 @@ def parent_run(
     starting together on a new study agree on. None with tracking=none."""
     if config.tracking.backend == "none":
         return None
-    from memfit.tracking import open_run, open_shared_run
+    from memfit.tracking import mask_credentials, open_run, open_shared_run, run_exists, tracking_uri
 
     tags = {
         "memfit.sweep": study.study_name,
@@ -29,8 +32,15 @@ def parent_run(
     if ladder is not None:
         tags["mlflow.parentRunId"] = ladder.run_id
     earlier = study.user_attrs.get("mlflow_parent_run_id")
-    if earlier:
+    if earlier and run_exists(config, earlier):
         return open_run(config, f"sweep-{study.study_name}", tags, run_id=earlier)
+    if earlier:
+        log.warning(
+            "study %s logged to another MLflow store (its run %s is not in %s): a new sweep run there",
+            study.study_name,
+            earlier,
+            mask_credentials(tracking_uri(config)),
+        )
     parent = open_shared_run(config, f"sweep-{study.study_name}", tags, key="memfit.sweep")
     study.set_user_attr("mlflow_parent_run_id", parent.run_id)
     return parent

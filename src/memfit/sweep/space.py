@@ -135,7 +135,13 @@ def suggest(trial: Any, space: dict[str, Any], batching: str, effective_batch: i
             continue
         dist = space[key]
         if isinstance(dist, d.CategoricalDistribution):
-            drawn[key] = trial.suggest_categorical(key, dist.choices)
+            try:
+                drawn[key] = trial.suggest_categorical(key, dist.choices)
+            except ValueError as err:  # a study from before studies recorded their space (sweep.naming)
+                raise SweepConfigError(
+                    f"{key}: study {trial.study.study_name} searched other choices for it ({err}): give "
+                    "hydra.sweeper.study_name a new name, or rerun with the study's own choices"
+                ) from None
         elif isinstance(dist, d.IntDistribution):
             drawn[key] = trial.suggest_int(key, dist.low, dist.high, step=dist.step, log=dist.log)
         else:

@@ -91,10 +91,12 @@ def open_study(
     directions: list[str],
     on_stale: Callable[[Any, Any], None],
     attempts: int = 4,
+    choose_name: Callable[[Any], str] | None = None,
 ) -> tuple[Any, Any]:
     """(study, its storage): create or load the study. Workers that start together on a fresh database race to
     create Optuna's tables (PostgreSQL: duplicate key in pg_type); the losers find them made on the next attempt.
-    A storage URL that cannot be opened, or a study of this name with other directions, is a SweepConfigError."""
+    A storage URL that cannot be opened, or a study of this name with other directions, is a SweepConfigError.
+    `choose_name(storage)`, where given, names the study from what the open storage holds (sweep.naming)."""
     import optuna
 
     from memfit.tracking import mask_credentials
@@ -105,6 +107,7 @@ def open_study(
         try:
             with _creating(url):
                 storage = _storage(url, settings.heartbeat_s, on_stale)
+                name = choose_name(storage) if choose_name is not None else name
                 study = optuna.create_study(
                     study_name=name,
                     storage=storage,
@@ -113,6 +116,8 @@ def open_study(
                     load_if_exists=True,
                 )
             return study, storage
+        except SweepConfigError:
+            raise
         except ValueError as err:  # an existing study with other directions
             raise SweepConfigError(
                 f"hydra.sweeper.study_name={name}: {err}; use a new study_name for a different objective"

@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 
 from memfit.config import limit_gib
 from memfit.progress import progress_bar
-from memfit.sweep import proposals, runs, storage
+from memfit.sweep import naming, proposals, runs, storage
 from memfit.sweep.outcome import directions, is_feasible
 from memfit.sweep.predict import screen_data
 from memfit.sweep.results import SweepView, ladder_table, log_pareto_plot, summarise
@@ -121,9 +121,14 @@ class BudgetSweep:
         from memfit.tracking import mask_credentials
 
         url = storage.storage_url(self.settings, self.config)
-        name = self._study_name()
-        study, store = storage.open_study(name, url, self.settings, directions(self.objectives), self._stale_trial)
-        log.info("study %s in %s: %d trials so far", name, mask_credentials(url), len(study.trials))
+        s, name = self.settings, self._study_name()
+        measured = naming.what_it_measures(self.space, self.objectives, self.fixed, s.effective_batch, s.coverage_floor)
+        chooser = naming.chooser(name, measured, named_by_user=bool(s.study_name))
+        study, store = storage.open_study(
+            name, url, s, directions(self.objectives), self._stale_trial, choose_name=chooser
+        )
+        naming.record(study, measured)
+        log.info("study %s in %s: %d trials so far", study.study_name, mask_credentials(url), len(study.trials))
         return study, store
 
     def _stale_trial(self, study: Any, frozen: Any) -> None:
