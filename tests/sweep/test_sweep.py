@@ -854,3 +854,33 @@ def test_a_sweep_chooses_between_fixed_and_budget_shaped_batches_and_searches_th
         assert best.trainer.batch_size == 16 and best.trainer.gradient_accumulation_steps == 1
     else:
         assert best.trainer.gradient_accumulation_steps == 16 // best.trainer.batch_size
+
+
+def test_a_sweep_with_nothing_feasible_exits_3_naming_the_constraint_that_binds(tmp_path):
+    """Every label length searched keeps less than the coverage floor: told from the data alone, no trial runs."""
+    out = run_train_py(
+        "-m",
+        "sweep=budget",
+        "model=tiny_seq2seq",
+        "budget.gib=1.7",
+        "memory.max_label_length=choice(8,16)",
+        "hydra.sweeper.n_trials=2",
+        "data.max_train_samples=48",
+        f"output_dir={tmp_path}",
+        f"hydra.sweep.dir={tmp_path}/sweep",
+        f"hydra.sweeper.preset_dir={tmp_path}/preset",
+    )
+    assert out.returncode == 3, out.stderr[-3000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        "memfit: no feasible configuration: coverage binds: the longest memory.max_label_length searched, 16, keeps"
+    ), last
+    assert "to memory.max_label_length's choices or set hydra.sweeper.coverage_floor=0." in last
+    client = MlflowClient(default_tracking_uri(str(tmp_path)))
+    parent = [
+        r
+        for r in client.search_runs([client.get_experiment_by_name("memfit").experiment_id])
+        if "memfit.sweep" in r.data.tags
+    ]
+    assert len(parent) == 1 and parent[0].info.status == "FINISHED"  # what it learned is recorded
+    assert not (tmp_path / "preset").exists()

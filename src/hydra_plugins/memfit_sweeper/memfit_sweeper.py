@@ -34,12 +34,16 @@ def _one_line_errors() -> Iterator[None]:
     """A bad sweep setting: `memfit: error: <field>: <fix>` and exit 2, not a traceback."""
     from memfit.run.signals import Stopped
     from memfit.sweep.space import SweepConfigError
+    from memfit.sweep.verdict import NothingFeasible
 
     try:
         yield
     except SweepConfigError as error:
         print(f"memfit: error: {error}", file=sys.stderr)
         sys.exit(2)
+    except NothingFeasible as nothing:  # everything is recorded; the line says which constraint binds
+        print(f"memfit: no feasible configuration: {nothing}", file=sys.stderr)
+        sys.exit(3)
     except Stopped as stop:  # the sweep's MLflow run ended KILLED, its running trials recorded as interrupted
         print(f"memfit: the sweep was {stop}: rerun the same command to resume it", file=sys.stderr)
         sys.exit(stop.exit_code)

@@ -68,3 +68,23 @@ def reuse_measurements(study: Any, earlier: list[Any], limit_gib: float | None, 
     if added:
         log.info("study %s starts from %d measurements of smaller budgets", study.study_name, added)
     return added
+
+
+def write_ladder(config: Any, rows: list[tuple[float, Any]], effective_batch: int | None, ladder_run: Any) -> None:
+    """The ladder's table (budget → best configuration) in the sweep dir, the log, stdout and the ladder's run."""
+    from pathlib import Path
+
+    from memfit.sweep.results import ladder_table
+
+    fixed = {
+        "trainer.batch_size": config.trainer.batch_size,
+        "memory.max_source_length": config.memory.max_source_length,
+        "memory.max_label_length": config.memory.max_label_length,
+    }
+    table = ladder_table(rows, effective_batch, fixed)
+    (Path(config.hydra.sweep.dir) / "ladder.md").write_text(table)
+    log.info("budget ladder:\n%s", table)
+    print(table)
+    if ladder_run is not None:
+        ladder_run.log_text(table, "ladder.md")
+        ladder_run.finish("FINISHED")

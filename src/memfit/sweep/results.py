@@ -130,12 +130,7 @@ def summarise(study: Any, view: SweepView, parent: Any) -> dict[str, Any] | None
     results_path = sweep_dir / f"optimization_results-{study.study_name}.yaml"
     if parent is not None:
         parent.log_metrics({f"sweep/{k}": v for k, v in counts.items()}, step=0)
-    if not feasible:
-        log.warning(
-            "no feasible trial in %d: nothing fits budget.gib=%s in this search space",
-            len(study.trials),
-            view.budget_gib,
-        )
+    if not feasible:  # the sweeper says which constraint binds (sweep.verdict)
         OmegaConf.save(OmegaConf.create({"name": study.study_name, **counts, "best": None}), results_path)
         _link_latest(results_path)
         return None

@@ -23,10 +23,11 @@ from omegaconf import DictConfig
 
 from memfit.config import limit_gib
 from memfit.progress import progress_bar
-from memfit.sweep import naming, proposals, runs, storage
+from memfit.sweep import naming, proposals, runs, storage, verdict
+from memfit.sweep.ladder import write_ladder
 from memfit.sweep.outcome import directions, is_feasible
 from memfit.sweep.predict import screen_data
-from memfit.sweep.results import SweepView, ladder_table, log_pareto_plot, summarise
+from memfit.sweep.results import SweepView, log_pareto_plot, summarise
 from memfit.sweep.settings import check_settings
 from memfit.sweep.space import SweepConfigError, held_step, parse_search, suggest
 from memfit.sweep.telling import TrialTeller
@@ -68,6 +69,7 @@ class BudgetSweep:
         self.told = threading.Condition()
         self.told_count = 0
         self.stopping = False  # a stop signal arrived: no trial is launched from now on
+        self.verdict: str | None = None  # why the last study found nothing feasible
 
     def setup(self, *, hydra_context: Any, task_function: Any, config: DictConfig) -> None:
         from hydra.core.plugins import Plugins
@@ -212,6 +214,10 @@ class BudgetSweep:
                 self.settings.preset_dir,
             )
             best = summarise(study, view, parent)
+            if best is None:
+                floor, limit = self.settings.coverage_floor, self._limit_gib()
+                self.verdict = verdict.for_study(study.trials, self.space, self.screen, floor, limit, self.config)
+                log.warning("no feasible trial in %d: %s", len(study.trials), self.verdict)
             waits = [t.user_attrs["standby_wait_s"] for t in study.trials if "standby_wait_s" in t.user_attrs]
             if hint := standby_hint(waits, self.settings.prestart_ahead):
                 log.info(hint)
@@ -358,7 +364,10 @@ class BudgetSweep:
         self.space = space
         self._prestart()
         try:
-            return self._sweep_budgets(space, fixed)
+            summaries = self._sweep_budgets(space, fixed)
+            if not any(summaries) and self.verdict:
+                raise verdict.NothingFeasible(self.verdict)
+            return summaries
         finally:
             for runner in [self.trials, *self.runners.values()]:
                 runner.close()
@@ -383,18 +392,5 @@ class BudgetSweep:
         for budget in budgets:
             self.budget_gib = budget
             rows.append((budget, self._run_study(space, fixed, earlier=list(self.studies))))
-        cfg = self.config
-        fixed = {
-            "trainer.batch_size": cfg.trainer.batch_size,
-            "memory.max_source_length": cfg.memory.max_source_length,
-            "memory.max_label_length": cfg.memory.max_label_length,
-        }
-        table = ladder_table(rows, self.settings.effective_batch, fixed)
-        sweep_dir = Path(self.config.hydra.sweep.dir)
-        (sweep_dir / "ladder.md").write_text(table)
-        log.info("budget ladder:\n%s", table)
-        print(table)
-        if self.ladder_run is not None:
-            self.ladder_run.log_text(table, "ladder.md")
-            self.ladder_run.finish("FINISHED")
+        write_ladder(self.config, rows, self.settings.effective_batch, self.ladder_run)
         return [summary for _, summary in rows]
