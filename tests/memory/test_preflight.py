@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -133,7 +134,8 @@ def test_a_failing_preflight_exits_before_training_with_ways_out(tmp_path, long_
     assert "batch 4 × source" in out.stderr and "labels 304" in out.stderr  # the probed shape is named
     assert "ways out" in out.stderr and "trainer.batch_size=" in out.stderr
     assert "memory.max_label_length=" in out.stderr and "gradient_checkpointing=true" in out.stderr
-    assert "memory.max_source_length=" in out.stderr and "of source tokens" in out.stderr
+    cuts = re.findall(r"memory\.max_(?:label|source)_length=\d+ \(keeps ([\d.]+)%", out.stderr)
+    assert cuts and all(float(kept) >= 90.0 for kept in cuts)  # no way out trains on less than 90% of the tokens
     client = MlflowClient(default_tracking_uri(str(tmp_path)))
     recorded = client.search_runs([client.get_experiment_by_name("memfit").experiment_id])[0]
     assert recorded.info.status == "FAILED"
@@ -189,6 +191,7 @@ def test_ways_out_are_judged_by_the_memory_model_when_there_is_one():
         trainable_params=10**6,
         lora_enabled=False,
         predict=predict,
+        min_coverage=0.0,  # any cut: this test is about the memory model's judgement
     )
     batch_way = next(w for w in ways if w.startswith("trainer.batch_size="))
     fitting = max(b for b in range(1, 8) if predict(BatchShape(b, 512, 512)) <= limit)
@@ -196,6 +199,46 @@ def test_ways_out_are_judged_by_the_memory_model_when_there_is_one():
     label_way = next(w for w in ways if w.startswith("memory.max_label_length="))
     shorter = int(label_way.split("=")[1].split()[0])
     assert predict(BatchShape(8, 512, shorter)) <= limit < predict(BatchShape(8, 512, shorter + 8))
+
+
+def test_a_way_out_never_cuts_a_length_below_the_coverage_it_must_keep():
+    """The cut that would fit keeps 66% of the label tokens: with a floor of 90% (the default) or a sweep's 0.95,
+    the way out goes no shorter than the floor, says so, and states what it keeps."""
+    import numpy as np
+
+    from memfit.config import GIB
+    from memfit.data.audit import BatchShape, label_coverage
+    from memfit.memory.meter import MemoryPeak
+    from memfit.memory.preflight import Probe, suggest
+
+    def predict(shape: BatchShape) -> float:
+        return 4 * GIB + shape.batch * (shape.label * 2**20 + shape.source * 0.1 * 2**20)
+
+    worst = BatchShape(8, 512, 512)
+    measured = Probe(worst, "train", MemoryPeak(int(predict(worst)), int(predict(worst))), static_bytes=3 * GIB)
+    labels = np.arange(1, 600)
+    for floor in (0.9, 0.95):
+        ways = suggest(
+            [measured],
+            6 * GIB,
+            batch=8,
+            accumulation=1,
+            task="seq2seq",
+            label_raw=labels,
+            max_label=512,
+            memory=SimpleNamespace(gradient_checkpointing=True, optimizer="adafactor"),
+            source_raw=labels,
+            max_source=512,
+            trainable_params=10**6,
+            lora_enabled=False,
+            predict=predict,
+            min_coverage=floor,
+        )
+        label_way = next(w for w in ways if w.startswith("memory.max_label_length="))
+        shorter = int(label_way.split("=")[1].split()[0])
+        assert label_coverage(labels, shorter) >= floor > label_coverage(labels, shorter - 8)
+        assert f"the shortest that keeps {floor:.0%}: not enough alone" in label_way
+        assert f"keeps {label_coverage(labels, shorter):.1%} of label tokens" in label_way
 
 
 def test_the_report_logs_the_step_times_of_its_longest_training_shape():

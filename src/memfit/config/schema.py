@@ -180,6 +180,7 @@ class PreflightConfig:
     steps: int = 2
     find_max_batch: bool = False
     max_batch_limit: int = 512
+    min_coverage: float = 0.9  # a way out never cuts a length to keep less of its tokens than this
 
 
 @dataclass

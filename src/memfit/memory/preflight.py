@@ -203,6 +203,20 @@ def _shorter(
     return shorter, per_token * (current - shorter)
 
 
+def _shortest_keeping(raw: np.ndarray | None, share: float, current: int) -> int:
+    """The shortest multiple of 8 up to `current` whose cut keeps at least `share` of the tokens."""
+    return next((n for n in range(8, current + 1, 8) if label_coverage(raw, n) >= share), current)
+
+
+def expected_at(
+    shape: BatchShape, name: str, length: int, task: str, predict: Any, per_token: float, peak: int
+) -> float:
+    """The expected peak with `name` cut to `length`: the memory model's, else the measured bytes per token."""
+    if predict:
+        return predict(_shortened(shape, name, length, task))
+    return peak - per_token * (getattr(shape, name) - length)
+
+
 def suggest(
     report_probes: list[Probe],
     limit: int,
@@ -218,8 +232,10 @@ def suggest(
     trainable_params: int,
     lora_enabled: bool,
     predict: Callable[[BatchShape], float] | None = None,
+    min_coverage: float = 0.9,
 ) -> list[str]:
-    """Concrete ways out, ranked by expected saving. With `predict` (the calibrated memory model: a shape's peak
+    """Concrete ways out, ranked by expected saving; none cuts a length to keep less than `min_coverage` of its
+    tokens. With `predict` (the calibrated memory model: a shape's peak
     reserved bytes) smaller batches and lengths are judged by it; without, activation memory is taken as
     proportional to the batch's tokens, on top of the static part (weights + optimizer state) the probe measured."""
     worst = max(report_probes, key=lambda p: p.judged_bytes)
@@ -243,8 +259,14 @@ def suggest(
         if current <= 16:
             continue
         shorter, saving = _shorter(shape, name, task, limit, peak, per_token, predict)
-        if shorter < current:
-            kept = f"keeps {label_coverage(raw, shorter):.1%} of {name} tokens"
+        if label_coverage(raw, shorter) < min_coverage:  # that cut fits, but trains on too little: go no shorter
+            shorter = _shortest_keeping(raw, min_coverage, current)
+            saving = peak - expected_at(shape, name, shorter, task, predict, per_token, peak)
+            note = f", the shortest that keeps {min_coverage:.0%}: not enough alone"
+        else:
+            note = ""
+        if shorter < current and saving > 0:
+            kept = f"keeps {label_coverage(raw, shorter):.1%} of {name} tokens{note}"
             ranked.append(
                 (saving, f"{knob}={shorter} ({kept}; {configured} keeps {label_coverage(raw, configured):.1%})")
             )

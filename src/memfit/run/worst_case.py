@@ -208,6 +208,7 @@ def _ways_out(ctx: RunContext, setup: TrainingSetup, measured: list[Any], limit:
         trainable_params=setup.built.trainable_params,
         lora_enabled=cfg.model.lora.enabled,
         predict=(lambda shape: calibration.estimate(shape).reserved) if calibration else None,
+        min_coverage=cfg.preflight.min_coverage,
     )
 
 

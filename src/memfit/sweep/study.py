@@ -169,6 +169,8 @@ class BudgetSweep:
         overrides = list(fixed) + [f"{k}={_value_text(v)}" for k, v in trial.params.items()]
         held = held_step(trial.params, self.settings.effective_batch, batching=self.config.trainer.batching)
         overrides += [f"{key}={value}" for key, value in held.items()]
+        if self.settings.coverage_floor > 0:  # its preflight's ways out keep what the sweep requires
+            overrides.append(f"preflight.min_coverage={self.settings.coverage_floor:g}")
         if self.settings.budgets:
             overrides.append(f"budget.gib={self.budget_gib:g}")
         overrides.append(f"tracking.run_name=trial-{trial.number}")
