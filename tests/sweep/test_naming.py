@@ -9,6 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from memfit.sweep import parse_search
+from memfit.sweep.derive import SearchSpace
 from memfit.sweep.naming import MEASURES_ATTR, chooser, differences, record, what_it_measures
 from memfit.sweep.space import SweepConfigError, suggest
 from memfit.sweep.storage import open_study
@@ -20,7 +21,8 @@ SETTINGS = OmegaConf.create(
 
 def measures(labels: str, objective: str = "throughput", fixed: tuple[str, ...] = (), floor: float = 0.99) -> dict:
     space, _ = parse_search(["trainer.batch_size=choice(2,8)", f"memory.max_label_length=choice({labels})"], {})
-    return what_it_measures(space, [objective], ["model=tiny_seq2seq", *fixed], 32, floor), space
+    searched = SearchSpace(space, ["model=tiny_seq2seq", *fixed])
+    return what_it_measures(searched, [objective], 32, floor), space
 
 
 def open_and_measure(url: str, measured: dict, space: dict, named_by_user: bool = False) -> optuna.Study:

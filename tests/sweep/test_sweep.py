@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import urllib.request
+from pathlib import Path
 
 import optuna
 import pytest
@@ -883,4 +884,8 @@ def test_a_sweep_with_nothing_feasible_exits_3_naming_the_constraint_that_binds(
         if "memfit.sweep" in r.data.tags
     ]
     assert len(parent) == 1 and parent[0].info.status == "FINISHED"  # what it learned is recorded
+    space = client.download_artifacts(parent[0].info.run_id, "search_space.txt", str(tmp_path))
+    text = Path(space).read_text()  # the recipe's source lengths, derived from the data, beside the label choices
+    assert "memory.max_label_length: [8, 16]\n" in text
+    assert "memory.max_source_length: [" in text and "(the data's p90, p99, p99.9, longest)" in text
     assert not (tmp_path / "preset").exists()

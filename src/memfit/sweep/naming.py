@@ -24,12 +24,14 @@ NOT_MEASURED = ("tracking.", "output_dir", "calibration.cache_dir", "hydra.", "b
 
 
 def what_it_measures(
-    space: dict[str, Any], objectives: list[str], fixed: list[str], effective_batch: int | None, coverage_floor: float
+    searched: Any, objectives: list[str], effective_batch: int | None, coverage_floor: float
 ) -> dict[str, Any]:
-    """The settings that decide what a study's trials measure and how they are judged, as plain JSON values."""
+    """The settings that decide what a study's trials measure and how they are judged, as plain JSON values.
+    `searched`: the sweep's space and fixed overrides (sweep.derive.SearchSpace)."""
     from optuna.distributions import distribution_to_json
 
-    measured = sorted(o for o in fixed if not o.lstrip("+~").startswith(NOT_MEASURED))
+    space = searched.space
+    measured = sorted(o for o in searched.fixed if not o.lstrip("+~").startswith(NOT_MEASURED))
     return {
         "space": {key: json.loads(distribution_to_json(space[key])) for key in sorted(space)},
         "objectives": list(objectives),

@@ -122,13 +122,15 @@ class MemoryPredictor:
         return attrs, {"memory_gib": gib - limit}
 
 
-def screen_data(space: dict[str, Any], config: DictConfig, settings: DictConfig) -> tuple[Any, Any]:
+def screen_data(
+    space: dict[str, Any], config: DictConfig, settings: DictConfig, lengths: DataLengths | None = None
+) -> tuple[Any, Any]:
     """(coverage screen, memory predictor) from the data's lengths, either None where it does not apply: label
     coverage per label length, and the worst batches the memory model predicts. A fixed label length below the
     coverage floor is a SweepConfigError: no trial could be feasible."""
     if settings.coverage_floor <= 0 and settings.predict_margin is None:
         return None, None
-    lengths = data_lengths(space, config)
+    lengths = lengths if lengths is not None else data_lengths(space, config)
     screen = coverage_screen(lengths, space, config, settings.coverage_floor)
     predictor = None
     if lengths is not None and settings.predict_margin is not None:

@@ -24,12 +24,13 @@ from omegaconf import DictConfig
 from memfit.config import limit_gib
 from memfit.progress import progress_bar
 from memfit.sweep import naming, proposals, runs, storage, verdict
+from memfit.sweep.derive import SearchSpace, search_space
 from memfit.sweep.ladder import write_ladder
 from memfit.sweep.outcome import directions, is_feasible
 from memfit.sweep.predict import screen_data
 from memfit.sweep.results import SweepView, log_pareto_plot, summarise
 from memfit.sweep.settings import check_settings
-from memfit.sweep.space import SweepConfigError, held_step, parse_search, suggest
+from memfit.sweep.space import held_step, suggest
 from memfit.sweep.telling import TrialTeller
 from memfit.sweep.trials import InProcessTrials, ProcessTrials, app_argv, core_sets, standby_hint, trial_env
 
@@ -56,13 +57,12 @@ class BudgetSweep:
         self.job_idx = 0
         self.objectives: list[str] = []
         self.budget_gib: float | None = None
-        self.fixed: list[str] = []
         self.studies: list[Any] = []  # finished studies of this command (a ladder's smaller budgets)
         self.ladder_run: Any = None
         self.screen: Any = None  # label coverage per max_label_length, from the data alone (sweep.screen)
         self.predictor: Any = None  # the memory model's predictions, once a trial calibrated it (sweep.predict)
         self.screened = False  # the data is screened once per command, even where it does not apply (None)
-        self.space: dict[str, Any] = {}
+        self.searched = SearchSpace({}, [])  # the space, and the data's lengths where derived from them
         self.lock = threading.Lock()
         self.runners: dict[str, Any] = {}
         # trials this sweeper has told after running: a device slot waiting for the others' last trials wakes on it
@@ -101,7 +101,8 @@ class BudgetSweep:
         first)."""
         if not self.screened:
             self.screened = True
-            self.screen, self.predictor = screen_data(self.space, self.config, self.settings)
+            searched = self.searched
+            self.screen, self.predictor = screen_data(searched.space, self.config, self.settings, searched.lengths)
 
     def _learn_calibrations(self, study: Any) -> None:
         """Calibrations earlier trials of this study reported (a resumed sweep predicts from them too)."""
@@ -124,7 +125,7 @@ class BudgetSweep:
 
         url = storage.storage_url(self.settings, self.config)
         s, name = self.settings, self._study_name()
-        measured = naming.what_it_measures(self.space, self.objectives, self.fixed, s.effective_batch, s.coverage_floor)
+        measured = naming.what_it_measures(self.searched, self.objectives, s.effective_batch, s.coverage_floor)
         chooser = naming.chooser(name, measured, named_by_user=bool(s.study_name))
         study, store = storage.open_study(
             name, url, s, directions(self.objectives), self._stale_trial, choose_name=chooser
@@ -196,6 +197,8 @@ class BudgetSweep:
             self.settings, self.config, self.objectives, self.budget_gib, self.screen, self.predictor, self.lock
         )
         parent = runs.parent_run(self.config, study, self.budget_gib, self.objectives, self.ladder_run)
+        if parent is not None:
+            parent.log_text(self.searched.describe(), "search_space.txt")
         try:
             self._recover_interrupted(study, store)
             if earlier:
@@ -211,14 +214,14 @@ class BudgetSweep:
                 self.config,
                 tuple(self.objectives),
                 self.budget_gib,
-                tuple(self.fixed),
+                tuple(self.searched.fixed),
                 self.settings.effective_batch,
                 self.settings.preset_dir,
             )
             best = summarise(study, view, parent)
             if best is None:
-                floor, limit = self.settings.coverage_floor, self._limit_gib()
-                self.verdict = verdict.for_study(study.trials, self.space, self.screen, floor, limit, self.config)
+                floor, limit, space = self.settings.coverage_floor, self._limit_gib(), self.searched.space
+                self.verdict = verdict.for_study(study.trials, space, self.screen, floor, limit, self.config)
                 log.warning("no feasible trial in %d: %s", len(study.trials), self.verdict)
             waits = [t.user_attrs["standby_wait_s"] for t in study.trials if "standby_wait_s" in t.user_attrs]
             if hint := standby_hint(waits, self.settings.prestart_ahead):
@@ -356,14 +359,9 @@ class BudgetSweep:
             self.told.notify_all()
 
     def sweep(self, arguments: list[str]) -> list[Any]:
-        space, fixed = parse_search(arguments, dict(self.settings.params or {}))
-        self.fixed = fixed  # the preset carries the fixed settings the trials ran with, not only the searched ones
-        if not space:
-            raise SweepConfigError(
-                "hydra.sweeper.params is empty and no choice(...)/range(...)/interval(...) override was given: "
-                "the sweep has nothing to search"
-            )
-        self.space = space
+        self.searched = search_space(arguments, dict(self.settings.params or {}), self.config)
+        space, fixed = self.searched.space, self.searched.fixed
+        log.info("search space:\n%s", self.searched.describe())
         self._prestart()
         try:
             summaries = self._sweep_budgets(space, fixed)

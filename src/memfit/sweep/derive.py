@@ -1,0 +1,85 @@
+"""The space a sweep searches: the recipe's params with the command line's overrides, where a max length given as
+`quantiles` becomes choices at the data's own length quantiles (p90, p99, p99.9 and the longest, padded as the
+collator pads and capped at the model's limit; a causal LM's prompt and response at half of it each), so that a
+sweep on data it has never seen searches lengths that keep its labels. The command line wins, key by key: an
+explicit choice(...) or a fixed value is searched or kept as given.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from omegaconf import DictConfig
+
+from memfit.sweep.space import SweepConfigError, parse_search
+
+log = logging.getLogger("memfit.sweep")
+
+DERIVED = "quantiles"  # a params value: choices at the data's quantiles
+QUANTILES = (0.9, 0.99, 0.999, 1.0)
+RAW = {"memory.max_source_length": "source", "memory.max_label_length": "label"}
+
+
+@dataclass
+class SearchSpace:
+    space: dict[str, Any]
+    fixed: list[str]
+    lengths: Any = None  # sweep.screen.DataLengths, where they were read to derive the space
+    derived: dict[str, list[int]] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """The space as the log and the sweep's MLflow run show it, one parameter a line."""
+        lines = []
+        for key, distribution in self.space.items():
+            values = getattr(distribution, "choices", None)
+            shown = list(values) if values is not None else repr(distribution)
+            how = " (the data's p90, p99, p99.9, longest)" if key in self.derived else ""
+            lines.append(f"{key}: {shown}{how}")
+        return "\n".join(lines)
+
+
+def length_choices(raw: np.ndarray, multiple: int | None, cap: int) -> list[int]:
+    """The data's p90, p99, p99.9 and longest length, each padded up to `multiple` and capped at `cap`."""
+    from memfit.data.audit import padded
+
+    values = np.quantile(raw, QUANTILES, method="higher") if len(raw) else [cap]
+    return sorted({min(padded(int(v), multiple), cap) for v in values})
+
+
+def search_space(arguments: list[str], params: dict[str, Any], config: DictConfig) -> SearchSpace:
+    """The recipe's params and the command line (which wins), `quantiles` lengths derived from the data."""
+    from optuna.distributions import CategoricalDistribution
+
+    from memfit.sweep.screen import data_lengths
+
+    wanted = [key for key, value in params.items() if str(value) == DERIVED]
+    unknown = [key for key in wanted if key not in RAW]
+    if unknown:
+        raise SweepConfigError(f"{unknown[0]}={DERIVED}: only {' and '.join(RAW)} are derived from the data")
+    space, fixed = parse_search(arguments, {k: v for k, v in params.items() if k not in wanted})
+    given = {line.split("=", 1)[0].lstrip("+~") for line in fixed}
+    wanted = [key for key in wanted if key not in space and key not in given]
+    found = SearchSpace(space, fixed)
+    if not space and not wanted:
+        raise SweepConfigError(
+            "hydra.sweeper.params is empty and no choice(...)/range(...)/interval(...) override was given: "
+            "the sweep has nothing to search"
+        )
+    if not wanted:
+        return found
+    found.lengths = lengths = data_lengths(space, config)
+    if lengths is None:
+        raise SweepConfigError(
+            f"{wanted[0]}={DERIVED} needs the data's token lengths, which could not be read here (see above): "
+            f"give {wanted[0]}=choice(...)"
+        )
+    positions = config.model.max_positions
+    cap = positions if config.model.task == "seq2seq" else positions // 2  # a causal LM's prompt and response share
+    for key in wanted:
+        choices = length_choices(getattr(lengths, RAW[key]), config.memory.pad_to_multiple_of, cap)
+        found.derived[key] = choices
+        space[key] = CategoricalDistribution(choices)
+    return found
