@@ -290,3 +290,21 @@ def test_the_largest_batch_search_stops_at_the_training_samples_and_says_so(comp
         report = run(cfg)
     assert report.max_batch == 6  # 4, then 8 is past the 6 samples: 6 itself is tried, not left at 4
     assert "largest batch that fits the worst case: >= 6 (all 6 training samples in one batch" in caplog.text
+
+
+def test_preflight_only_searches_even_when_the_configured_batch_does_not_fit_and_says_what_batch_1_needs(
+    compose_cfg,
+):
+    """ "How large a batch can I afford?" matters most when the configured one does not fit: the search runs below
+    it, down to batch 1, and where none fits it says what batch 1 needs (0.3 GiB of host memory holds no Python)."""
+    cfg = compose_cfg(
+        "model=tiny_seq2seq", *FAST, "budget.gib=0.3", "budget.margin_gib=0", "preflight_only=true", "tracking=none"
+    )
+    report = run(cfg)
+    assert report.status == "preflight_failed" and report.max_batch is None
+    line = next(x for x in report.reason.splitlines() if "largest batch that fits the worst case" in x)
+    assert re.search(
+        r"largest batch that fits the worst case: none \(no batch fits: batch 1 × source \d+ × "
+        r"labels \d+ needs ~\d+\.\d\d GiB\)",
+        line,
+    ), line

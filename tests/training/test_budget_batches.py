@@ -72,3 +72,31 @@ def test_a_step_over_unequal_micro_batches_has_the_gradient_of_the_per_token_los
         torch.testing.assert_close(budget_shaped[name], grad, rtol=1e-5, atol=1e-6, msg=name)
     assert collator.micro_batches == 2 and collator.rows == 4  # both micro-batches counted as trained on
     assert int(label_tokens(whole, task)) == int(labels.ne(-100).sum())
+
+
+@pytest.mark.parametrize("model_name", ["tiny_seq2seq", "tiny_causal"])
+def test_a_micro_batch_with_no_label_tokens_weighs_nothing_and_passes_no_nan(compose_cfg, tmp_path, model_name):
+    """Its mean loss is 0/0: the step's loss and gradients are those of the other micro-batches alone."""
+    no_dropout = [f"+model.architecture.{name}=0.0" for name in DROPOUTS[model_name]]
+    cfg = compose_cfg(f"model={model_name}", *FAST, *no_dropout, "trainer.batching=budget", "trainer.batch_size=4")
+    task = cfg.model.task
+    tokenizer = build_tokenizer(cfg.model)
+    model = build_model(cfg, tokenizer, "cpu").model
+    collator = CountingCollator(tokenizer, None, task)
+    args = training_arguments(cfg, "cpu", str(tmp_path), has_eval=False)
+    features = _features(tokenizer, task)
+    silent = dict(features[0], labels=[-100] * len(features[0]["labels"]))  # nothing to learn from
+    trainer = build_trainer(task, model, tokenizer, {"train": features}, args, collator, [])
+    trainer.current_gradient_accumulation_steps = 1
+
+    model.zero_grad()
+    loss = trainer.training_step(model, MicroBatches([collator([silent]), collator(features[1:])]))
+    with_silent = _grads(model)
+    model.zero_grad()
+    alone = trainer.training_step(model, MicroBatches([collator(features[1:])]))
+    without = _grads(model)
+
+    assert torch.isfinite(loss) and loss.item() == pytest.approx(alone.item(), rel=1e-6)
+    for name, grad in without.items():
+        assert torch.isfinite(with_silent[name]).all(), name
+        torch.testing.assert_close(with_silent[name], grad, rtol=1e-5, atol=1e-7, msg=name)

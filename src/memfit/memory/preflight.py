@@ -112,6 +112,8 @@ class PreflightReport:
             lines.append(f"  largest batch that fits the worst case: >= {self.max_batch} ({self.max_batch_cap})")
         elif self.max_batch:
             lines.append(f"  largest batch that fits the worst case: {self.max_batch}")
+        elif self.max_batch_cap:  # searched, and not even batch 1 fits
+            lines.append(f"  largest batch that fits the worst case: none ({self.max_batch_cap})")
         if self.suggestions:
             lines.append("  ways out, largest expected saving first (estimates from the measured peak):")
             lines += [f"    {i}. {s}" for i, s in enumerate(self.suggestions, 1)]
@@ -124,15 +126,21 @@ def fits(probes: list[Probe], limit: int) -> bool:
 
 
 def find_max_batch(
-    setup: ProbeSetup, shape: BatchShape, limit: int, upper: int, on_probe: Callable[[int], None] | None = None
+    setup: ProbeSetup,
+    shape: BatchShape,
+    limit: int,
+    upper: int,
+    on_probe: Callable[[int], None] | None = None,
+    measured: dict[int, Probe] | None = None,
 ) -> int | None:
-    """The largest batch whose worst case fits: doubling, then bisection, always on the worst shape. `on_probe` is
-    told each batch size before it is probed (the progress bar).
+    """The largest batch whose worst case fits: doubling from the shape's batch, then bisection below the first
+    that does not fit (down to 1), always on the worst shape. `on_probe` is told each batch size before it is
+    probed (the progress bar); `measured` collects each batch's train probe.
 
     A batch that the last fitting probe, scaled linearly in batch size, puts well over the limit is taken as not
     fitting without being run: on CPU nothing caps the allocator, so such a probe could take the whole host down.
     """
-    measured: dict[int, Probe] = {}
+    measured = {} if measured is None else measured
 
     def batch_fits(batch: int) -> bool:
         fitting = [b for b, p in measured.items() if b < batch and not p.oom and p.judged_bytes <= limit]

@@ -164,20 +164,31 @@ def _probe_worst(ctx: RunContext, probes: Any) -> list[Any]:
     return measured
 
 
-def _max_batch(ctx: RunContext, probes: Any, limit: int) -> tuple[int | None, str | None]:
+def _max_batch(ctx: RunContext, probes: Any, report: Any) -> tuple[int | None, str | None]:
     """The largest batch whose worst case fits, searched up to preflight.max_batch_limit or the number of training
-    samples (a larger batch would repeat samples); and, where the search reached that cap, what the cap was."""
+    samples (a larger batch would repeat samples), whether or not the configured batch fits; and, where the search
+    reached that cap, what the cap was, or where not even batch 1 fits, what it needs."""
     from memfit.memory.preflight import find_max_batch
     from memfit.progress import progress_bar
 
     worst_shape = max(ctx.prepared.audit.worst_train, key=lambda s: s.tokens)
     samples = len(ctx.prepared.datasets["train"])
     upper = min(ctx.cfg.preflight.max_batch_limit, samples)
+    measured: dict[int, Any] = {}
     with progress_bar("max batch search", None) as show:
         largest = find_max_batch(
-            probes, worst_shape, limit, upper, on_probe=lambda batch: show(advance=1, note=f"probing batch {batch}")
+            probes,
+            worst_shape,
+            report.limit_bytes,
+            upper,
+            on_probe=lambda batch: show(advance=1, note=f"probing batch {batch}"),
+            measured=measured,
         )
         show(note=f"largest fitting batch {largest}")
+    if largest is None and 1 in measured:
+        needed, exact = report.needed_bytes(measured[1])
+        what = measured[1].shape.describe(ctx.cfg.model.task)
+        return None, f"no batch fits: {what} needs {'~' if exact else 'more than '}{needed / GIB:.2f} GiB"
     return largest, _cap_note(largest, upper, samples)
 
 
@@ -231,8 +242,8 @@ def run_preflight(ctx: RunContext, setup: TrainingSetup) -> WorstCase:
     report.budget_label = ctx.cap.judged_against
     train_probes = [p for p in measured if p.phase == "train"]
     predicted = _log_prediction(ctx, calibration, max(train_probes, key=lambda p: (p.oom, p.judged_bytes)))
-    if passed and (cfg.preflight.find_max_batch or cfg.preflight_only):
-        report.max_batch, report.max_batch_cap = _max_batch(ctx, probes, limit)
+    if cfg.preflight.find_max_batch or cfg.preflight_only:  # "how large a batch can I afford?", fit or not
+        report.max_batch, report.max_batch_cap = _max_batch(ctx, probes, report)
     if not passed:
         report.suggestions = _ways_out(ctx, setup, measured, limit, calibration)
     report.seconds = time.perf_counter() - start

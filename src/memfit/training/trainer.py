@@ -180,7 +180,14 @@ class _MemfitTraining:
         result = super().compute_loss(model, inputs, return_outputs=return_outputs, **kwargs)
         if self.token_share is None:
             return result
-        return (result[0] * self.token_share, result[1]) if return_outputs else result * self.token_share
+        loss = result[0] if return_outputs else result
+        # a micro-batch with no label tokens (all -100) has a NaN mean: it weighs nothing, and its zero passes no NaN
+        # to the gradients; a NaN where there are tokens (divergence) still shows
+        import torch
+
+        share = self.token_share
+        weighted = torch.where(share > 0, loss * share, torch.zeros_like(loss))
+        return (weighted, result[1]) if return_outputs else weighted
 
     def prediction_step(self, model: Any, inputs: Any, prediction_loss_only: bool, **kwargs: Any) -> Any:
         if not isinstance(inputs, MicroBatches):
