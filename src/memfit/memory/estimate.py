@@ -30,6 +30,7 @@ class Estimate:
     logits: int  # one float32 copy of the worst batch's logits
     peak: PeakEstimate | None = None  # None without a calibration
     largest_batch: int | None = None
+    largest_cap: str | None = None  # where the largest-batch prediction stopped at the search's own cap
     calibration: str | None = None  # "<key> (cached | fitted from N probes on <device>)"
     lengths: tuple[int, int] | None = None  # (source, label) the largest batch is judged at
     budget_label: str = "budget"  # what the budget is: budget.gib, or without it the device's memory
@@ -51,6 +52,9 @@ class Estimate:
         if self.peak is not None:
             return self.peak.breakdown()
         return {"weights": self.state.weights, "gradients": self.state.gradients, "optimizer": self.state.optimizer}
+
+    def _largest(self) -> str:
+        return _largest_text(self.largest_batch, self.largest_cap)
 
     def summary(self) -> str:
         what = self.shape.describe(self.task)
@@ -75,9 +79,15 @@ class Estimate:
                 f"  worst {what}: peak allocated {size(self.peak.allocated)}, "
                 f"reserved {size(self.peak.reserved)}: {verdict} the {limit}",
                 f"  breakdown: {parts}",
-                f"  largest batch predicted to fit at {at}: {self.largest_batch}",
+                f"  largest batch predicted to fit at {at}: {self._largest()}",
             ]
         )
+
+
+def _largest_text(largest: int | None, cap: str | None) -> str:
+    if not largest:
+        return "none (not even batch 1)"
+    return f">= {largest} ({cap})" if cap else str(largest)
 
 
 def estimate(

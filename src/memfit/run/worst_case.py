@@ -124,6 +124,8 @@ def estimate(ctx: RunContext, setup: TrainingSetup) -> RunReport:
     cfg, model = ctx.cfg, setup.built.model
     budget, limit = budget_and_limit(ctx)
     calibration = calibrate(ctx, setup, probe_setup(ctx, setup))
+    samples = len(ctx.prepared.datasets["train"])
+    upper = min(cfg.preflight.max_batch_limit, samples)  # a larger batch would repeat samples
     result = estimate(
         cfg.model.task,
         ctx.prepared.audit.worst_train,
@@ -132,8 +134,9 @@ def estimate(ctx: RunContext, setup: TrainingSetup) -> RunReport:
         calibration,
         budget,
         limit,
-        cfg.preflight.max_batch_limit,
+        upper,
     )
+    result.largest_cap = _cap_note(result.largest_batch, upper, samples)  # as preflight_only says it
     result.budget_label = ctx.cap.judged_against
     ctx.tracker.log_metrics(result.metrics(), step=0)
     ctx.tracker.log_text(result.summary(), "estimate.txt")
