@@ -22,6 +22,7 @@ OVERLENGTH_POLICIES = ("truncate", "drop")
 PRECISIONS = ("fp32", "bf16", "fp16")
 WEIGHT_DTYPES = ("fp32", "bf16")
 OPTIMIZERS = ("adamw", "adamw_8bit", "adafactor")
+LOSSES = ("standard", "chunked")  # memfit.memory.loss
 DEVICES = ("auto", "cpu", "cuda")
 TRACKING_BACKENDS = ("mlflow", "none")
 CALIBRATION_SETTINGS = ("auto", "true", "false")
@@ -112,6 +113,7 @@ class MemoryConfig:
         cuda_only=("adamw_8bit",),
         on_cpu="use memory.optimizer=adamw or adafactor (bitsandbytes needs CUDA)",
     )
+    loss: str = knob("standard", step=True, applied_by="trainer")
     load_in_4bit: bool = knob(
         False, step=True, applied_by="model", cuda_only=(True,), on_cpu="use memory=tight (bitsandbytes needs CUDA)"
     )

@@ -14,6 +14,7 @@ from memfit.config.schema import (
     BATCHING,
     CALIBRATION_SETTINGS,
     DEVICES,
+    LOSSES,
     MODEL_SOURCES,
     OPTIMIZERS,
     OVERLENGTH_POLICIES,
@@ -90,6 +91,7 @@ def _validate_memory(cfg: DictConfig, problems: list[str]) -> None:
     _choice(problems, "memory.precision", mem.precision, PRECISIONS)
     _choice(problems, "memory.weights_dtype", mem.weights_dtype, WEIGHT_DTYPES)
     _choice(problems, "memory.optimizer", mem.optimizer, OPTIMIZERS)
+    _choice(problems, "memory.loss", mem.loss, LOSSES)
     _positive(problems, "memory.pad_to_multiple_of", mem.pad_to_multiple_of, "use 8 (tensor cores) or null")
     _positive(problems, "memory.eval_batch_size", mem.eval_batch_size, "use a positive batch or null")
     _positive(problems, "memory.empty_cache_steps", mem.empty_cache_steps, "use a positive step count or null")

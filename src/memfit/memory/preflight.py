@@ -225,6 +225,36 @@ def expected_at(
     return peak - per_token * (getattr(shape, name) - length)
 
 
+def _length_way(
+    shape: BatchShape,
+    name: str,
+    knob: str,
+    raw: np.ndarray | None,
+    configured: int,
+    task: str,
+    limit: int,
+    peak: int,
+    per_token: float,
+    predict: Any,
+    min_coverage: float,
+) -> tuple[float, str] | None:
+    """(saving, the way out) of a shorter `name` length: the cut that fits, but never one that keeps less than
+    `min_coverage` of its tokens (then the shortest that keeps that much, said to be not enough alone)."""
+    current = getattr(shape, name)
+    if current <= 16:
+        return None
+    shorter, saving = _shorter(shape, name, task, limit, peak, per_token, predict)
+    note = ""
+    if label_coverage(raw, shorter) < min_coverage:  # that cut fits, but trains on too little: go no shorter
+        shorter = _shortest_keeping(raw, min_coverage, current)
+        saving = peak - expected_at(shape, name, shorter, task, predict, per_token, peak)
+        note = f", the shortest that keeps {min_coverage:.0%}: not enough alone"
+    if shorter >= current or saving <= 0:
+        return None
+    kept = f"keeps {label_coverage(raw, shorter):.1%} of {name} tokens{note}"
+    return saving, f"{knob}={shorter} ({kept}; {configured} keeps {label_coverage(raw, configured):.1%})"
+
+
 def suggest(
     report_probes: list[Probe],
     limit: int,
@@ -243,9 +273,9 @@ def suggest(
     min_coverage: float = 0.9,
 ) -> list[str]:
     """Concrete ways out, ranked by expected saving; none cuts a length to keep less than `min_coverage` of its
-    tokens. With `predict` (the calibrated memory model: a shape's peak
-    reserved bytes) smaller batches and lengths are judged by it; without, activation memory is taken as
-    proportional to the batch's tokens, on top of the static part (weights + optimizer state) the probe measured."""
+    tokens. With `predict` (the calibrated memory model: a shape's peak reserved bytes) smaller batches and lengths
+    are judged by it; without, activation memory is taken as proportional to the batch's tokens, on top of the
+    static part (weights + optimizer state) the probe measured."""
     worst = max(report_probes, key=lambda p: p.judged_bytes)
     peak, shape = worst.judged_bytes, worst.shape
     static = worst.static_bytes or 0
@@ -263,21 +293,9 @@ def suggest(
     if task == "seq2seq":
         lengths.append(("source", "memory.max_source_length", source_raw, max_source))
     for name, knob, raw, configured in lengths:
-        current = getattr(shape, name)
-        if current <= 16:
-            continue
-        shorter, saving = _shorter(shape, name, task, limit, peak, per_token, predict)
-        if label_coverage(raw, shorter) < min_coverage:  # that cut fits, but trains on too little: go no shorter
-            shorter = _shortest_keeping(raw, min_coverage, current)
-            saving = peak - expected_at(shape, name, shorter, task, predict, per_token, peak)
-            note = f", the shortest that keeps {min_coverage:.0%}: not enough alone"
-        else:
-            note = ""
-        if shorter < current and saving > 0:
-            kept = f"keeps {label_coverage(raw, shorter):.1%} of {name} tokens{note}"
-            ranked.append(
-                (saving, f"{knob}={shorter} ({kept}; {configured} keeps {label_coverage(raw, configured):.1%})")
-            )
+        way = _length_way(shape, name, knob, raw, configured, task, limit, peak, per_token, predict, min_coverage)
+        if way is not None:
+            ranked.append(way)
     if not memory.gradient_checkpointing:
         ranked.append(
             (

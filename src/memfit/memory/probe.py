@@ -136,6 +136,7 @@ class _Preserved:
 APPLIED_AS_TRAINER = {
     "precision": "autocast to the policy's precision around forward and loss (_autocast)",
     "optimizer": "the run's own optimizer, built by trainer.create_optimizer (ProbeSetup.make_optimizer)",
+    "loss": "the same loss the Trainer computes (memfit.memory.loss.model_loss where chunked)",
 }
 
 
@@ -153,6 +154,7 @@ class ProbeSetup:
     accumulation: int = 1  # gradient accumulation: with it, a forward runs while the last micro-batch's grads exist
     generate: bool = False  # evaluation generates (predict_with_generate): probe generation of the full label length
     split_branches: bool = False  # also measure the six windows of _BranchMarker apart (T5 under checkpointing)
+    loss: str = "standard"  # memory.loss: chunked computes head and loss as the Trainer does (memfit.memory.loss)
 
 
 class _BranchMarker:
@@ -236,6 +238,15 @@ def _free(device: str) -> None:
         torch.cuda.empty_cache()
 
 
+def _loss(setup: ProbeSetup, batch: dict[str, Any]) -> Any:
+    """The batch's loss as training computes it: the model's own, or the chunked head (memory.loss=chunked)."""
+    if setup.loss == "chunked":
+        from memfit.memory.loss import model_loss
+
+        return model_loss(setup.model, batch, setup.task)
+    return setup.model(**batch).loss
+
+
 def _train_steps(setup: ProbeSetup, shape: BatchShape, batch: dict[str, Any], optimizer: Any, marker: Any) -> Probe:
     """`setup.steps` optimizer steps on the batch, each over two micro-batches when training accumulates gradients
     (so a forward runs while gradients are held); the forward + backward peak and the optimizer step's apart."""
@@ -247,7 +258,7 @@ def _train_steps(setup: ProbeSetup, shape: BatchShape, batch: dict[str, Any], op
         setup.meter.reset_window()
         for _ in range(min(setup.accumulation, 2)):  # the second micro-batch runs on top of held grads
             with _autocast(setup.device, setup.precision):
-                loss = setup.model(**batch).loss
+                loss = _loss(setup, batch)
             if marker is not None:
                 marker.forward_done()
             loss.backward()

@@ -44,7 +44,9 @@ def prepare_training(ctx: RunContext) -> TrainingSetup:
     callbacks = [callback, *faults.callbacks_for(run_name(cfg))]
     ready = {split: model_columns(ds) for split, ds in ctx.prepared.datasets.items()}
     args = training_arguments(cfg, ctx.device, str(checkpoint_dir(cfg)), has_eval="validation" in ready)
-    trainer = build_trainer(cfg.model.task, built.model, ctx.tokenizer, ready, args, collator, callbacks)
+    trainer = build_trainer(
+        cfg.model.task, built.model, ctx.tokenizer, ready, args, collator, callbacks, cfg.memory.loss
+    )
     ctx.clock.lap("trainer")
     return TrainingSetup(built, collator, callback, trainer)
 

@@ -40,6 +40,7 @@ def probe_setup(ctx: RunContext, setup: TrainingSetup) -> Any:
         steps=cfg.preflight.steps,
         accumulation=2 if step_accumulates(cfg) else 1,  # the probe runs a second micro-batch on held gradients
         generate=cfg.trainer.predict_with_generate,
+        loss=cfg.memory.loss,
     )
 
 

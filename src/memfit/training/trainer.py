@@ -151,6 +151,7 @@ class _MemfitTraining:
     """
 
     task = "seq2seq"  # set on the class built by build_trainer
+    memory_loss: str = "standard"  # memory.loss: chunked computes head and loss without the full logits
     token_share: Any = None  # while a micro-batch of a budget-shaped step runs: its share of the step's label tokens
     eval_sums: tuple[Any, Any] = (0.0, 0)  # budget-shaped evaluation: summed loss over label tokens, and the tokens
 
@@ -177,7 +178,13 @@ class _MemfitTraining:
         return loss
 
     def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, **kwargs: Any) -> Any:
-        result = super().compute_loss(model, inputs, return_outputs=return_outputs, **kwargs)
+        if self.memory_loss == "chunked":  # head and loss without the full logits (memfit.memory.loss)
+            from memfit.memory.loss import model_loss
+
+            chunked = model_loss(model, inputs, self.task, self.args.label_smoothing_factor)
+            result = (chunked, {"loss": chunked}) if return_outputs else chunked
+        else:
+            result = super().compute_loss(model, inputs, return_outputs=return_outputs, **kwargs)
         if self.token_share is None:
             return result
         loss = result[0] if return_outputs else result
@@ -218,15 +225,22 @@ class _MemfitTraining:
 
 
 def build_trainer(
-    task: str, model: Any, tokenizer: Any, datasets: Any, args: Any, collator: Any, callbacks: list
+    task: str,
+    model: Any,
+    tokenizer: Any,
+    datasets: Any,
+    args: Any,
+    collator: Any,
+    callbacks: list,
+    loss: str = "standard",
 ) -> Any:
     """(Seq2Seq)Trainer for `task` over the datasets, evaluating where `args` does (memory.policy.training_arguments
-    turns evaluation off without validation data or with memory.eval_enabled=false)."""
+    turns evaluation off without validation data or with memory.eval_enabled=false); `loss`: memory.loss."""
     from transformers import Seq2SeqTrainer, Trainer
 
     base = Seq2SeqTrainer if task == "seq2seq" else Trainer
     evaluate = "validation" in datasets and args.eval_strategy != "no"
-    trainer = type(base.__name__, (_MemfitTraining, base), {"task": task})(
+    trainer = type(base.__name__, (_MemfitTraining, base), {"task": task, "memory_loss": loss})(
         model=model,
         args=args,
         train_dataset=datasets["train"],

@@ -1,0 +1,151 @@
+"""The chunked head + cross-entropy equals the standard loss, in value and gradients, without holding the logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from memfit.memory.loss import chunked_cross_entropy
+
+
+def _head(vocab: int = 97, width: int = 16, rows: tuple[int, int] = (3, 11), bias: bool = True, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(*rows, width, generator=generator, requires_grad=True)
+    weight = torch.randn(vocab, width, generator=generator, requires_grad=True)
+    head_bias = torch.randn(vocab, generator=generator, requires_grad=True) if bias else None
+    labels = torch.randint(0, vocab, rows, generator=generator)
+    labels[0, 7:] = -100  # padding, as the collator pads labels
+    labels[2, 3] = -100
+    return hidden, weight, head_bias, labels
+
+
+def _grads(*tensors: torch.Tensor | None) -> list[torch.Tensor]:
+    return [t.grad.clone() for t in tensors if t is not None]
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("bias", [True, False])  # BART/Pegasus add final_logits_bias; T5 and Qwen heads have none
+@pytest.mark.parametrize("chunk", [1, 5, 33, 4096])  # one row, uneven chunks, all rows at once
+def test_the_chunked_loss_and_its_gradients_equal_the_standard_ones(smoothing, bias, chunk):
+    hidden, weight, head_bias, labels = _head(bias=bias)
+    logits = hidden @ weight.t() + (head_bias if bias else 0)
+    standard = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), label_smoothing=smoothing
+    )
+    standard.backward()
+    expected = _grads(hidden, weight, head_bias)
+    for t in (hidden, weight, head_bias):
+        if t is not None:
+            t.grad = None
+
+    chunked = chunked_cross_entropy(hidden, weight, labels, head_bias, chunk=chunk, label_smoothing=smoothing)
+    chunked.backward()
+    torch.testing.assert_close(chunked, standard, rtol=1e-5, atol=1e-6)
+    for got, want in zip(_grads(hidden, weight, head_bias), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_t5s_tied_head_rescales_the_hidden_states_before_the_head_and_the_gradient_flows_through_it():
+    """T5 with tied embeddings multiplies the decoder's output by d_model ** -0.5 before the head: done by the
+    caller on the hidden states, the gradient of that scaling comes back through the chunked loss."""
+    hidden, weight, _, labels = _head(bias=False)
+    scale = hidden.shape[-1] ** -0.5
+    standard = F.cross_entropy(((hidden * scale) @ weight.t()).reshape(-1, weight.shape[0]), labels.reshape(-1))
+    standard.backward()
+    expected = _grads(hidden, weight)
+    hidden.grad = weight.grad = None
+    chunked_cross_entropy(hidden * scale, weight, labels, chunk=7).backward()
+    for got, want in zip(_grads(hidden, weight), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_only_its_inputs_are_held_for_the_backward_pass_not_the_logits():
+    """What a loss keeps between forward and backward is what training holds at its peak: the standard loss keeps
+    logits-sized tensors (N × V), the chunked one its inputs and one float per row."""
+    hidden, weight, head_bias, labels = _head(vocab=5000, width=8, rows=(4, 64))
+
+    def held_bytes(loss_of) -> int:
+        saved: list[int] = []
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            saved.append(tensor.numel() * tensor.element_size())
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss_of()
+        return sum(saved)
+
+    logits_bytes = 4 * 64 * 5000 * 4
+    standard = held_bytes(
+        lambda: F.cross_entropy((hidden @ weight.t() + head_bias).reshape(-1, 5000), labels.reshape(-1))
+    )
+    chunked = held_bytes(lambda: chunked_cross_entropy(hidden, weight, labels, head_bias, chunk=32))
+    assert standard >= logits_bytes  # at least one N × V float32 tensor
+    inputs = sum(t.numel() * t.element_size() for t in (hidden, weight, head_bias, labels))
+    assert chunked <= inputs + 4 * 64 * 8 + 64 < logits_bytes / 4
+
+
+TINY_T5 = (
+    "model=t5_base",
+    *(f"model.architecture.{k}={v}" for k, v in dict(d_model=32, d_kv=8, d_ff=64, num_heads=2).items()),
+    "model.architecture.num_layers=2",
+    "model.architecture.num_decoder_layers=2",
+)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("model=tiny_seq2seq",),  # BART: final_logits_bias beside the head
+        TINY_T5,  # T5: tied embeddings, the decoder's output rescaled before the head
+        ("model=tiny_causal",),  # Qwen2 under LoRA: labels shifted, the peft wrapper
+    ],
+    ids=["bart", "t5", "qwen2-lora"],
+)
+def test_a_models_chunked_loss_and_gradients_equal_its_own_loss(compose_cfg, overrides):
+    from memfit.data import CountingCollator
+    from memfit.memory.loss import model_loss
+    from memfit.models import build_model, build_tokenizer
+    from tests.conftest import FAST
+
+    cfg = compose_cfg(*overrides, *FAST)
+    tokenizer = build_tokenizer(cfg.model)
+    model = build_model(cfg, tokenizer, "cpu").model.eval()  # eval: no dropout, the two passes see one function
+    collator = CountingCollator(tokenizer, None, cfg.model.task)
+    features = []
+    for n, (source_words, label_words) in enumerate([(3, 2), (9, 7), (5, 12)]):
+        source = tokenizer(f"sample {n} " + "word " * source_words)["input_ids"]
+        label = tokenizer(text_target="summary " * label_words)["input_ids"]
+        if cfg.model.task == "causal":
+            features.append({"input_ids": source + label, "labels": [-100] * len(source) + label})
+        else:
+            features.append({"input_ids": source, "labels": label})
+        features[-1]["attention_mask"] = [1] * len(features[-1]["input_ids"])
+    batch = collator(features)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+
+    standard = model(**batch).loss
+    expected = torch.autograd.grad(standard, trainable)
+    chunked = model_loss(model, batch, cfg.model.task, chunk=5)
+    got = torch.autograd.grad(chunked, trainable)
+    torch.testing.assert_close(chunked, standard, rtol=1e-5, atol=1e-6)
+    for want, have in zip(expected, got, strict=True):
+        torch.testing.assert_close(have, want, rtol=1e-4, atol=1e-6)
+    assert model(**batch).logits.shape[-1] == model.config.vocab_size  # the head is the model's own again
+
+
+@pytest.mark.parametrize("model", ["tiny_seq2seq", "tiny_causal"])
+def test_a_run_with_the_chunked_loss_trains_and_evaluates_as_the_standard_one(compose_cfg, model):
+    """The preflight, three training steps and the evaluation, with the chunked loss: the same losses as with the
+    model's own (the same seed, fp32), and a calibration of its own (memory.loss is part of the calibration key)."""
+    from memfit.memory.calibration import POLICY_KNOBS
+    from memfit.run import run
+    from tests.conftest import FAST
+
+    standard = run(compose_cfg(f"model={model}", *FAST, "tracking=none"))
+    chunked = run(compose_cfg(f"model={model}", *FAST, "tracking=none", "memory.loss=chunked"))
+    assert standard.status == chunked.status == "ok" and chunked.steps == 3
+    assert chunked.final_loss == pytest.approx(standard.final_loss, rel=1e-4)
+    assert chunked.eval_loss == pytest.approx(standard.eval_loss, rel=1e-4)
+    assert chunked.worst_case_peak_gib > 0 and "loss" in POLICY_KNOBS
