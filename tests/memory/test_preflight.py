@@ -134,6 +134,7 @@ def test_a_failing_preflight_exits_before_training_with_ways_out(tmp_path, long_
     assert "batch 4 × source" in out.stderr and "labels 304" in out.stderr  # the probed shape is named
     assert "ways out" in out.stderr and "trainer.batch_size=" in out.stderr
     assert "memory.max_label_length=" in out.stderr and "gradient_checkpointing=true" in out.stderr
+    assert "memory.loss=chunked (~0.1" in out.stderr  # batch 4 × 304 labels × 30,522 entries: 0.14 GiB
     cuts = re.findall(r"memory\.max_(?:label|source)_length=\d+ \(keeps ([\d.]+)%", out.stderr)
     assert cuts and all(float(kept) >= 90.0 for kept in cuts)  # no way out trains on less than 90% of the tokens
     client = MlflowClient(default_tracking_uri(str(tmp_path)))

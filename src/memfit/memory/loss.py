@@ -2,7 +2,7 @@
 
 A head of vocabulary V over N label positions makes logits of N × V: for pegasus_large (V = 96,103) at batch 4 ×
 1024 labels that is 1.47 GiB in float32, and the standard loss keeps them (or their log-softmax) until the backward
-pass, besides their gradient. Here the head and the loss run together, `chunk` rows at a time: the forward keeps
+pass, besides their gradient. Here the head and the loss run together, a chunk of rows at a time: the forward keeps
 only each row's log-sum-exp, the backward recomputes one chunk's logits at a time and turns them into the gradients
 of the hidden states and of the head's weight and bias. The peak then holds one chunk of logits, not N, for one more
 matrix product per chunk. Plain PyTorch, so it runs on every device and every head: a seq2seq decoder's (with T5's
@@ -19,7 +19,16 @@ from typing import Any
 import torch
 
 IGNORE = -100
-CHUNK = 1024  # label positions per chunk: logits of 1024 × the vocabulary at a time (pegasus_large: 0.37 GiB fp32)
+# float32 logits held per chunk: label positions per chunk = CHUNK_BYTES / (4 × vocabulary), so that any vocabulary
+# holds as much (pegasus_large's 96,103 entries: 174 positions; Qwen2.5's 151,936: 110); smaller chunks hold less
+# for more, smaller head products
+CHUNK_BYTES = 64 * 2**20
+
+
+def rows_per_chunk(vocab_size: int) -> int:
+    return max(1, CHUNK_BYTES // (4 * vocab_size))
+
+
 LOSSES = ("standard", "chunked")
 
 
@@ -154,7 +163,9 @@ def _head_captured(model: Any) -> Iterator[_Head]:
             base.final_logits_bias = extra
 
 
-def model_loss(model: Any, batch: dict[str, Any], task: str, label_smoothing: float = 0.0, chunk: int = CHUNK) -> Any:
+def model_loss(
+    model: Any, batch: dict[str, Any], task: str, label_smoothing: float = 0.0, chunk: int | None = None
+) -> Any:
     """The mean loss per label token of a batch (labels -100 left out), computed with the chunked head: the model's
     own forward up to its head (autocast, checkpointing and LoRA as configured), then chunked_cross_entropy over the
     hidden states entering it. A causal LM's labels are its inputs shifted by one, as transformers shifts them."""
@@ -167,4 +178,5 @@ def model_loss(model: Any, batch: dict[str, Any], task: str, label_smoothing: fl
     hidden = head.hidden
     if task == "causal":
         hidden, labels = hidden[:, :-1], labels[:, 1:]
-    return chunked_cross_entropy(hidden, head.weight, labels, head.bias, chunk, label_smoothing)
+    rows = chunk or rows_per_chunk(head.weight.shape[0])
+    return chunked_cross_entropy(hidden, head.weight, labels, head.bias, rows, label_smoothing)

@@ -224,6 +224,7 @@ def _ways_out(ctx: RunContext, setup: TrainingSetup, measured: list[Any], limit:
         lora_enabled=cfg.model.lora.enabled,
         predict=(lambda shape: calibration.estimate(shape).reserved) if calibration else None,
         min_coverage=cfg.preflight.min_coverage,
+        vocab_size=setup.built.model.get_output_embeddings().weight.shape[0],  # the head's rows: every model
     )
 
 
