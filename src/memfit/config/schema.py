@@ -68,6 +68,9 @@ class DataConfig:
     validation_fraction: float = 0.1
     max_train_samples: int | None = None
     max_eval_samples: int | None = None
+    # tokenized splits kept here, keyed by the rows, the tokenizer and the lengths: a sweep's trials and reruns
+    # tokenize each once (memfit.data.cache); null: tokenize every run
+    tokenized_cache: str | None = "${output_dir}/tokenized"
 
 
 APPLIED_BY = ("data", "collator", "model", "trainer", "allocator")

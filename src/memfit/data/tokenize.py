@@ -98,6 +98,13 @@ def tokenize_split(pairs: list[dict[str, str]], tokenizer: Any, spec: TokenizeSp
     )
 
 
+def _tokenized(pairs: list[dict[str, str]], tokenizer: Any, spec: TokenizeSpec, cache: str | None) -> Dataset:
+    """tokenize_split, through the tokenized cache (memfit.data.cache) where one is configured."""
+    from memfit.data.cache import cached, key
+
+    return cached(cache, key(pairs, tokenizer, spec), lambda: tokenize_split(pairs, tokenizer, spec))
+
+
 def _fingerprint(rows: int, tokenizer: Any, spec: TokenizeSpec) -> str:
     """A name for the tokenized dataset. `datasets` would otherwise hash the map function, tokenizer and all, by
     pickling it: ~0.3 s a split, paid by every trial. Nothing is cached under it (the dataset is in memory)."""
@@ -143,12 +150,13 @@ def load_and_tokenize(cfg: DictConfig, tokenizer: Any) -> PreparedData:
     pairs = load_pairs(cfg.data, cfg.model.task)
     max_source, max_label = effective_lengths(cfg)
     spec = TokenizeSpec(cfg.model.task, max_source, max_label, cfg.memory.overlength)
-    train = tokenize_split(_cap(pairs["train"], cfg.data.max_train_samples), tokenizer, spec)
+    train = _tokenized(_cap(pairs["train"], cfg.data.max_train_samples), tokenizer, spec, cfg.data.tokenized_cache)
     source_raw, label_raw = np.asarray(train["source_len_raw"]), np.asarray(train["label_len_raw"])
     splits = {"train": apply_overlength(train, spec)}
     eval_lengths = None
     if pairs["validation"]:
-        validation = tokenize_split(_cap(pairs["validation"], cfg.data.max_eval_samples), tokenizer, spec)
+        capped = _cap(pairs["validation"], cfg.data.max_eval_samples)
+        validation = _tokenized(capped, tokenizer, spec, cfg.data.tokenized_cache)
         splits["validation"] = apply_overlength(validation, spec)
         if cfg.memory.eval_enabled and len(splits["validation"]):
             eval_lengths = (
