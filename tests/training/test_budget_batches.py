@@ -37,18 +37,25 @@ def _grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("model_name", ["tiny_seq2seq", "tiny_causal"])
-def test_a_step_over_unequal_micro_batches_has_the_gradient_of_the_per_token_loss(compose_cfg, tmp_path, model_name):
-    no_dropout = [f"+model.architecture.{name}=0.0" for name in DROPOUTS[model_name]]  # one function in both
+def _budget_trainer(compose_cfg, tmp_path, model_name: str) -> tuple:
+    """(task, tokenizer, model, collator, trainer, features) of a budget-shaped run of 4 samples a step, without
+    dropout (the step and the direct computation see one function)."""
+    no_dropout = [f"+model.architecture.{name}=0.0" for name in DROPOUTS[model_name]]
     cfg = compose_cfg(f"model={model_name}", *FAST, *no_dropout, "trainer.batching=budget", "trainer.batch_size=4")
     task = cfg.model.task
     tokenizer = build_tokenizer(cfg.model)
     model = build_model(cfg, tokenizer, "cpu").model
     collator = CountingCollator(tokenizer, None, task)
     args = training_arguments(cfg, "cpu", str(tmp_path), has_eval=False)
-    assert args.per_device_train_batch_size == 4 and args.gradient_accumulation_steps == 1
     features = _features(tokenizer, task)
     trainer = build_trainer(task, model, tokenizer, {"train": features}, args, collator, [])
+    return task, tokenizer, model, collator, trainer, features
+
+
+@pytest.mark.parametrize("model_name", ["tiny_seq2seq", "tiny_causal"])
+def test_a_step_over_unequal_micro_batches_has_the_gradient_of_the_per_token_loss(compose_cfg, tmp_path, model_name):
+    task, tokenizer, model, collator, trainer, features = _budget_trainer(compose_cfg, tmp_path, model_name)
+    assert trainer.args.per_device_train_batch_size == 4 and trainer.args.gradient_accumulation_steps == 1
 
     step = MicroBatches([collator([features[0]]), collator(features[1:])])  # micro-batches of 1 and 3 rows
     trainer.current_gradient_accumulation_steps = 1  # what Trainer's loop sets: one batch per optimizer step
@@ -77,16 +84,8 @@ def test_a_step_over_unequal_micro_batches_has_the_gradient_of_the_per_token_los
 @pytest.mark.parametrize("model_name", ["tiny_seq2seq", "tiny_causal"])
 def test_a_micro_batch_with_no_label_tokens_weighs_nothing_and_passes_no_nan(compose_cfg, tmp_path, model_name):
     """Its mean loss is 0/0: the step's loss and gradients are those of the other micro-batches alone."""
-    no_dropout = [f"+model.architecture.{name}=0.0" for name in DROPOUTS[model_name]]
-    cfg = compose_cfg(f"model={model_name}", *FAST, *no_dropout, "trainer.batching=budget", "trainer.batch_size=4")
-    task = cfg.model.task
-    tokenizer = build_tokenizer(cfg.model)
-    model = build_model(cfg, tokenizer, "cpu").model
-    collator = CountingCollator(tokenizer, None, task)
-    args = training_arguments(cfg, "cpu", str(tmp_path), has_eval=False)
-    features = _features(tokenizer, task)
+    _, _, model, collator, trainer, features = _budget_trainer(compose_cfg, tmp_path, model_name)
     silent = dict(features[0], labels=[-100] * len(features[0]["labels"]))  # nothing to learn from
-    trainer = build_trainer(task, model, tokenizer, {"train": features}, args, collator, [])
     trainer.current_gradient_accumulation_steps = 1
 
     model.zero_grad()
