@@ -214,3 +214,10 @@ def postgres() -> Iterator[Callable[[str], str]]:
     finally:
         subprocess.run([*as_user, str(bindir / "pg_ctl"), "-D", str(data), "-m", "fast", "stop"], capture_output=True)
         shutil.rmtree(root, ignore_errors=True)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """The slow end-to-end tests first (in their files' order), the quick ones after: xdist hands tests out in this
+    order, so the two workers share the long runs from the start and the quick tests fill the end, rather than one
+    worker finishing a long run alone while the other idles."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -818,7 +818,7 @@ def test_when_the_sampler_proposes_only_known_configurations_an_unmeasured_one_i
 def test_a_sweep_chooses_between_fixed_and_budget_shaped_batches_and_searches_the_plans_knobs(tmp_path):
     """docs/sweeps.md's command, with random draws that give two fixed, then budget-shaped trials."""
     args = [
-        *readme_command("python train.py -m sweep=budget model=tiny_seq2seq budget.gib=1.7 hydra.sweeper.n_trials=4")[
+        *readme_command("python train.py -m sweep=budget model=tiny_seq2seq budget.gib=1.7 hydra.sweeper.n_trials=3")[
             3:
         ],
         "hydra.sweeper.sampler=random",
