@@ -76,6 +76,9 @@ def test_compare_policies_then_open_the_mlflow_ui(tmp_path):
     assert "anterior to 4.12.0" not in out.stderr  # EncoderDecoderModel's warning about old checkpoints: not ours
     runs = finished_runs(tmp_path)
     assert sorted(r.data.tags["memfit.memory"] for r in runs) == ["balanced", "off", "tight"]
+    # one multirun, comparable runs: each with its peak, and the policies' knobs as params
+    assert all(r.data.metrics["summary/peak_allocated_gib"] > 0 for r in runs)
+    assert {r.data.params["memory.gradient_checkpointing"] for r in runs} == {"True", "False"}
     ui = readme_command("mlflow ui")
     port = free_port()
     ui[ui.index("--port") + 1] = str(port)

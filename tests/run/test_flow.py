@@ -82,24 +82,6 @@ def test_a_failing_run_ends_failed_with_its_reason(compose_cfg):
     assert runs[0].data.tags["memfit.reason"].startswith("failed: ValueError")
 
 
-def test_multirun_over_two_policies_gives_two_comparable_runs(tmp_path):
-    out = run_train_py(
-        "-m",
-        "memory=off,tight",
-        "model=tiny_seq2seq",
-        *FAST,
-        "memory.max_source_length=64",
-        f"output_dir={tmp_path}",
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    _, runs = _runs(tmp_path)
-    assert sorted(r.data.tags["memfit.memory"] for r in runs) == ["off", "tight"]
-    assert all(r.info.status == "FINISHED" for r in runs)
-    assert all(r.data.metrics["summary/peak_allocated_gib"] > 0 for r in runs)
-    assert {r.data.params["memory.gradient_checkpointing"] for r in runs} == {"True", "False"}
-
-
 def test_a_local_checkpoint_is_loaded_instead_of_random_weights(compose_cfg, tmp_path):
     from memfit.models import build_model, build_tokenizer
 

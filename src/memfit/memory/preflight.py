@@ -272,7 +272,8 @@ def _policy_ways(
 
         positions = shape.batch * (shape.source if task == "causal" else shape.label)
         # the standard loss holds float32 logits and their log-softmax, then their gradients; the chunked one a
-        # chunk of them (tiny_seq2seq on CPU, batch 4 × 304 labels: 146 MB less, batch 16: 1.5 GB less)
+        # chunk of them (tiny_seq2seq on CPU, batch 4 × 304 labels: 160 MiB less, batch 16: 1.4 GiB less;
+        # benchmarks/loss_memory_cpu.py)
         saving = max(2 * 4 * positions * vocab_size - 2 * CHUNK_BYTES, 0)
         if saving:
             ranked.append(
