@@ -30,7 +30,7 @@ class PreflightReport:
     suggestions: list[str] = field(default_factory=list)
     budget_label: str = "budget"  # what the budget is: budget.gib, or without it the device's memory
     max_batch: int | None = None
-    max_batch_cap: str | None = None  # where the largest-batch search stopped, when it stopped at a cap of its own
+    max_batch_cap: str | None = None  # where the largest-batch search stopped at a cap of its own, or why none fits
     seconds: float = 0.0
     failure: str | None = None  # a preflight that could not judge batches (a batch plan that holds no sample): why
 
@@ -205,10 +205,10 @@ def _shorter(
     if predict:
         fitting = (n for n in range(current - 8, 7, -8) if predict(_shortened(shape, name, n, task)) <= limit)
         shorter = next(fitting, 8)
-        return shorter, peak - predict(_shortened(shape, name, shorter, task))
-    need = peak - limit
-    shorter = max(8, current - math.ceil(need / per_token) if need > 0 else current // 2)
-    return shorter, per_token * (current - shorter)
+    else:
+        need = peak - limit
+        shorter = max(8, current - math.ceil(need / per_token) if need > 0 else current // 2)
+    return shorter, peak - _expected_at(shape, name, shorter, task, predict, per_token, peak)
 
 
 def _shortest_keeping(raw: np.ndarray | None, share: float, current: int) -> int:
@@ -216,7 +216,7 @@ def _shortest_keeping(raw: np.ndarray | None, share: float, current: int) -> int
     return next((n for n in range(8, current + 1, 8) if label_coverage(raw, n) >= share), current)
 
 
-def expected_at(
+def _expected_at(
     shape: BatchShape, name: str, length: int, task: str, predict: Any, per_token: float, peak: int
 ) -> float:
     """The expected peak with `name` cut to `length`: the memory model's, else the measured bytes per token."""
@@ -247,7 +247,7 @@ def _length_way(
     note = ""
     if label_coverage(raw, shorter) < min_coverage:  # that cut fits, but trains on too little: go no shorter
         shorter = _shortest_keeping(raw, min_coverage, current)
-        saving = peak - expected_at(shape, name, shorter, task, predict, per_token, peak)
+        saving = peak - _expected_at(shape, name, shorter, task, predict, per_token, peak)
         note = f", the shortest that keeps {min_coverage:.0%}: not enough alone"
     if shorter >= current or saving <= 0:
         return None
@@ -262,19 +262,18 @@ def _policy_ways(
     activations: float,
     trainable_params: int,
     lora_enabled: bool,
-    vocab_size: int,
+    logits: int,
 ) -> list[tuple[float, str]]:
     """(expected saving, way out) of the policy's knobs that save memory whatever the batch: the loss, gradient
     checkpointing, the optimizer, LoRA."""
     ranked: list[tuple[float, str]] = []
-    if getattr(memory, "loss", "chunked") == "standard" and vocab_size:
+    if getattr(memory, "loss", None) == "standard" and logits:
         from memfit.memory.loss import CHUNK_BYTES
 
-        positions = shape.batch * (shape.source if task == "causal" else shape.label)
         # the standard loss holds float32 logits and their log-softmax, then their gradients; the chunked one a
         # chunk of them (tiny_seq2seq on CPU, batch 4 × 304 labels: 160 MiB less, batch 16: 1.4 GiB less;
         # benchmarks/loss_memory_cpu.py)
-        saving = max(2 * 4 * positions * vocab_size - 2 * CHUNK_BYTES, 0)
+        saving = max(2 * logits - 2 * CHUNK_BYTES, 0)
         if saving:
             ranked.append(
                 (
@@ -316,12 +315,13 @@ def suggest(
     lora_enabled: bool,
     predict: Callable[[BatchShape], float] | None = None,
     min_coverage: float = 0.9,
-    vocab_size: int = 0,
+    logits: Callable[[BatchShape], int] | None = None,
 ) -> list[str]:
     """Concrete ways out, ranked by expected saving; none cuts a length to keep less than `min_coverage` of its
     tokens. With `predict` (the calibrated memory model: a shape's peak reserved bytes) smaller batches and lengths
     are judged by it; without, activation memory is taken as proportional to the batch's tokens, on top of the
-    static part (weights + optimizer state) the probe measured."""
+    static part (weights + optimizer state) the probe measured. `logits`: one float32 copy of a shape's logits
+    (memory.model.logits_bytes), for the loss's way out."""
     worst = max(report_probes, key=lambda p: p.judged_bytes)
     peak, shape = worst.judged_bytes, worst.shape
     static = worst.static_bytes or 0
@@ -342,6 +342,7 @@ def suggest(
         way = _length_way(shape, name, knob, raw, configured, task, limit, peak, per_token, predict, min_coverage)
         if way is not None:
             ranked.append(way)
-    ranked += _policy_ways(memory, task, shape, activations, trainable_params, lora_enabled, vocab_size)
+    held = logits(shape) if logits is not None else 0
+    ranked += _policy_ways(memory, task, shape, activations, trainable_params, lora_enabled, held)
     ranked.sort(key=lambda item: -item[0])
     return [text for _, text in ranked]

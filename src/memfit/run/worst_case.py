@@ -206,8 +206,10 @@ def _cap_note(largest: int | None, upper: int, samples: int) -> str | None:
 
 
 def _ways_out(ctx: RunContext, setup: TrainingSetup, measured: list[Any], limit: int, calibration: Any) -> list[str]:
+    from memfit.memory.model import describe_architecture, logits_bytes
     from memfit.memory.preflight import suggest
 
+    arch = describe_architecture(setup.built.model, ctx.cfg.model.task)
     cfg, audit, prepared = ctx.cfg, ctx.prepared.audit, ctx.prepared
     return suggest(
         measured,
@@ -224,7 +226,7 @@ def _ways_out(ctx: RunContext, setup: TrainingSetup, measured: list[Any], limit:
         lora_enabled=cfg.model.lora.enabled,
         predict=(lambda shape: calibration.estimate(shape).reserved) if calibration else None,
         min_coverage=cfg.preflight.min_coverage,
-        vocab_size=setup.built.model.get_output_embeddings().weight.shape[0],  # the head's rows: every model
+        logits=lambda shape: logits_bytes(shape.batch, shape.source, shape.label, arch),
     )
 
 

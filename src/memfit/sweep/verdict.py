@@ -7,8 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from memfit.sweep.outcome import constraint_dict
-
-LABEL = "memory.max_label_length"
+from memfit.sweep.screen import LABEL
 
 
 class NothingFeasible(RuntimeError):
