@@ -293,6 +293,22 @@ def test_the_largest_batch_search_stops_at_the_training_samples_and_says_so(comp
     assert "largest batch that fits the worst case: >= 6 (all 6 training samples in one batch" in caplog.text
 
 
+def test_the_largest_batch_search_stops_before_a_probe_past_its_time_bound_and_says_which(compose_cfg, caplog):
+    """On CPU a probe of hundreds of rows takes minutes: the search does not start a probe that its last one, scaled
+    by batch size, expects to end past preflight.max_search_seconds, and says which batch it did not try."""
+    cfg = compose_cfg(
+        "model=tiny_seq2seq", *FAST, "preflight_only=true", "tracking=none", "preflight.max_search_seconds=0.001"
+    )
+    with caplog.at_level("INFO", logger="memfit"):
+        bounded = run(cfg)
+    assert bounded.status == "ok" and bounded.max_batch == 2  # the configured batch fits; 4 is expected to take longer
+    assert re.search(
+        r"largest batch that fits the worst case: >= 2 \(batch 4 not tried: its probe would take ~[\d.]+ s more, past "
+        r"preflight.max_search_seconds=0.001; raise it to search further\)",
+        caplog.text,
+    ), caplog.text[-2000:]
+
+
 def test_preflight_only_searches_even_when_the_configured_batch_does_not_fit_and_says_what_batch_1_needs(
     compose_cfg,
 ):

@@ -185,6 +185,7 @@ class PreflightConfig:
     steps: int = 2
     find_max_batch: bool = False
     max_batch_limit: int = 512
+    max_search_seconds: float | None = 40.0  # the search stops before a probe expected to end it past this
     min_coverage: float = 0.9  # a way out never cuts a length to keep less of its tokens than this
 
 

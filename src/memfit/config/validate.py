@@ -156,6 +156,7 @@ def _validate_budget(cfg: DictConfig, problems: list[str]) -> None:
 def _validate_preflight(cfg: DictConfig, problems: list[str]) -> None:
     _positive(problems, "preflight.steps", cfg.preflight.steps, "use 2 (the second step holds optimizer state)")
     _positive(problems, "preflight.max_batch_limit", cfg.preflight.max_batch_limit, "use e.g. 512")
+    _positive(problems, "preflight.max_search_seconds", cfg.preflight.max_search_seconds, "use e.g. 40 or null")
     if not 0 <= cfg.preflight.min_coverage <= 1:
         problems.append(f"preflight.min_coverage={cfg.preflight.min_coverage} must be in [0, 1]: use e.g. 0.9")
     if cfg.preflight_only and not cfg.preflight.enabled:

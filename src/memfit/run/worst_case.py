@@ -179,20 +179,28 @@ def _max_batch(ctx: RunContext, probes: Any, report: Any) -> tuple[int | None, s
     samples = len(ctx.prepared.datasets["train"])
     upper = min(ctx.cfg.preflight.max_batch_limit, samples)
     measured: dict[int, Any] = {}
+    bound = ctx.cfg.preflight.max_search_seconds
     with progress_bar("max batch search", None) as show:
-        largest = find_max_batch(
+        search = find_max_batch(
             probes,
             worst_shape,
             report.limit_bytes,
             upper,
             on_probe=lambda batch: show(advance=1, note=f"probing batch {batch}"),
             measured=measured,
+            max_seconds=bound,
         )
-        show(note=f"largest fitting batch {largest}")
+        show(note=f"largest fitting batch {search.largest}")
+    largest = search.largest
     if largest is None and 1 in measured:
         needed, exact = report.needed_bytes(measured[1])
         what = measured[1].shape.describe(ctx.cfg.model.task)
         return None, f"no batch fits: {what} needs {'~' if exact else 'more than '}{needed / GIB:.2f} GiB"
+    if search.untried is not None:
+        return largest, (
+            f"batch {search.untried} not tried: its probe would take ~{search.untried_seconds:.1f} s more, past "
+            f"preflight.max_search_seconds={bound:g}; raise it to search further"
+        )
     return largest, _cap_note(largest, upper, samples)
 
 
