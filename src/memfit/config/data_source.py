@@ -11,7 +11,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from memfit.config.schema import ACLSUM_SECTIONS, ACLSUM_TARGETS, DATA_FORMATS
+from memfit.config.schema import ACLSUM_SECTIONS, ACLSUM_TARGETS, DATA_FORMATS, DATA_STYLES
 
 
 def _file_columns(fmt: str, path: Path) -> list[str]:
@@ -28,6 +28,14 @@ def _file_columns(fmt: str, path: Path) -> list[str]:
     import pyarrow.parquet as pq
 
     return list(pq.read_schema(path).names)
+
+
+# the columns each conversation style reads (memfit.data.chat); alpaca's `input` is optional
+STYLE_COLUMNS = {
+    "messages": ["messages"],
+    "prompt_completion": ["prompt", "completion"],
+    "alpaca": ["instruction", "output"],
+}
 
 
 def _required_columns(data: DictConfig, task: str) -> list[tuple[str, str]]:
@@ -50,18 +58,44 @@ def _check_file(data: DictConfig, task: str, key: str, path_str: str) -> list[st
         return [f"{key}={path_str} line 1 is not valid JSON ({err.msg if hasattr(err, 'msg') else err}): fix that line"]
     except Exception as err:  # pyarrow raises its own types for a broken parquet file
         return [f"{key}={path_str} cannot be read as {data.format} ({err}): check the file and data.format"]
+    have = ", ".join(map(str, columns))
+    if data.style in STYLE_COLUMNS:
+        missing = ", ".join(repr(c) for c in STYLE_COLUMNS[data.style] if c not in columns)
+        return (
+            [
+                f"data.style={data.style} needs column {missing}, not in {path_str} (it has: {have}): rename"
+                " the columns or set data.style"
+            ]
+            if missing
+            else []
+        )
     return [
-        f"{field}={name!r} is not a column of {path_str} (it has: {', '.join(map(str, columns))}): set {field}"
+        f"{field}={name!r} is not a column of {path_str} (it has: {have}): set {field}"
         for field, name in _required_columns(data, task)
         if name not in columns
     ]
+
+
+def _check_style(data: DictConfig, task: str) -> list[str]:
+    if data.style not in DATA_STYLES:
+        return [f"data.style={data.style!r} is not one of {', '.join(DATA_STYLES)}: pick one"]
+    if data.style == "pairs":
+        return []
+    if task != "causal":
+        return [
+            f"data.style={data.style} renders conversations for a causal LM: use data.style=pairs (source/target "
+            "columns) with a seq2seq model"
+        ]
+    if data.format == "aclsum":
+        return [f"data.style={data.style} reads your own records: use data=jsonl, parquet or hub"]
+    return []
 
 
 def check_data_source(data: DictConfig, task: str) -> list[str]:
     """Problems with the data settings that can be found without loading the data."""
     if data.format not in DATA_FORMATS:
         return [f"data.format={data.format!r} is not one of {', '.join(DATA_FORMATS)}: pick one"]
-    problems: list[str] = []
+    problems = _check_style(data, task)
     if not 0 <= data.validation_fraction < 1:
         problems.append(f"data.validation_fraction={data.validation_fraction} must be in [0, 1): use e.g. 0.1")
     for key in ("max_train_samples", "max_eval_samples"):

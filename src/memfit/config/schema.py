@@ -26,6 +26,7 @@ LOSSES = ("standard", "chunked")  # memfit.memory.loss
 DEVICES = ("auto", "cpu", "cuda")
 TRACKING_BACKENDS = ("mlflow", "none")
 CALIBRATION_SETTINGS = ("auto", "true", "false")
+DATA_STYLES = ("pairs", "messages", "prompt_completion", "alpaca")  # memfit.data.chat renders all but pairs
 BATCHING = ("fixed", "budget")
 
 
@@ -63,6 +64,10 @@ class DataConfig:
     source_column: str = "source"
     target_column: str = "target"
     text_column: str | None = None
+    # pairs: source/target columns | messages: {role, content} turns | prompt_completion | alpaca; the conversation
+    # styles are rendered with the chat template, the loss on assistant tokens only (memfit.data.chat)
+    style: str = "pairs"
+    chat_template: str | None = None  # a built-in's name (chatml) or Jinja text; null: the tokenizer's own
     source_sections: list[str] = field(default_factory=lambda: ["introduction"])
     targets: list[str] = field(default_factory=lambda: ["challenge", "approach", "outcome"])
     validation_fraction: float = 0.1

@@ -67,6 +67,8 @@ class LengthAudit:
     truncated_label: int  # samples whose label the max length cut
     dropped: int  # samples the over-length policy removed
     label_coverage: float  # share of raw label tokens that training sees
+    label_lost_truncate: int = 0  # label tokens over-long samples lose under memory.overlength=truncate
+    label_lost_drop: int = 0  # label tokens of the samples memory.overlength=drop removes
     worst_train: list[BatchShape] = field(default_factory=list)  # the candidates a preflight must probe
     worst_eval: BatchShape | None = None
     sampler: str = "random"
@@ -83,6 +85,8 @@ class LengthAudit:
                 "audit/truncated_label": self.truncated_label,
                 "audit/dropped": self.dropped,
                 "audit/label_coverage": self.label_coverage,
+                "audit/label_lost_truncate": self.label_lost_truncate,
+                "audit/label_lost_drop": self.label_lost_drop,
             }
         )
         worst = max(self.worst_train, key=lambda s: s.tokens)
@@ -134,10 +138,16 @@ def audit_lengths(
     sampler: str,
     eval_lengths: tuple[np.ndarray, np.ndarray] | None = None,
     eval_batch: int | None = None,
+    label_kept: np.ndarray | None = None,
 ) -> LengthAudit:
-    """The audit of one training split (raw lengths of every sample, and which samples the policy kept)."""
+    """The audit of one training split (raw lengths of every sample, and which samples the policy kept).
+    `label_kept`: the label tokens each sample keeps, where cutting is not per part (a conversation keeps its
+    start, so a long prompt can take the assistant tokens after it); else the raw lengths cut to max_label."""
     source_cut = np.minimum(source_raw, max_source)[kept]
     label_cut = np.minimum(label_raw, max_label)[kept]
+    truncated = np.minimum(label_raw, max_label) if label_kept is None else label_kept
+    label_trained = truncated[kept]
+    over = (source_raw > max_source) | (label_raw > max_label)
     total_label = label_raw.sum()
     worst_eval = None
     if eval_lengths is not None and len(eval_lengths[0]):
@@ -155,7 +165,9 @@ def audit_lengths(
         truncated_source=int(((source_raw > max_source) & kept).sum()),
         truncated_label=int(((label_raw > max_label) & kept).sum()),
         dropped=int((~kept).sum()),
-        label_coverage=float(label_cut.sum() / total_label) if total_label else 1.0,
+        label_coverage=float(label_trained.sum() / total_label) if total_label else 1.0,
+        label_lost_truncate=int(total_label - truncated.sum()),
+        label_lost_drop=int(label_raw[over].sum()),
         worst_train=worst_batches(source_cut, label_cut, batch, task, multiple),
         worst_eval=worst_eval,
         sampler=sampler,
@@ -197,6 +209,11 @@ def render_table(audit: LengthAudit) -> str:
         f"({audit.sampler} sampler): {worst.describe(audit.task)}"
         + (f"; worst eval batch: {audit.worst_eval.describe(audit.task)}" if audit.worst_eval else "")
     )
+    if audit.label_lost_truncate or audit.label_lost_drop:
+        console.print(
+            f"{label_name} tokens over-long samples lose: {audit.label_lost_truncate} with memory.overlength=truncate,"
+            f" {audit.label_lost_drop} with drop (of {audit.label_raw.mean * audit.label_raw.count:.0f})"
+        )
     return buffer.getvalue()
 
 

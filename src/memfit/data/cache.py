@@ -8,6 +8,7 @@ folder and the first rename wins; nothing is ever read half-written.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -21,12 +22,15 @@ log = logging.getLogger("memfit")
 FORMAT = 1  # bump when the tokenized columns change, so that older caches are not read
 
 
-def key(pairs: list[dict[str, str]], tokenizer: Any, spec: Any) -> str:
-    """What the tokenized split depends on, hashed: the rows, the tokenizer, the lengths and task."""
+def key(rows: list[dict[str, Any]], tokenizer: Any, spec: Any) -> str:
+    """What the tokenized split depends on, hashed: the rows, the tokenizer, the lengths, task and template."""
     digest = hashlib.sha256(f"{FORMAT}:{spec}:{type(tokenizer).__name__}:{len(tokenizer)}".encode())
     digest.update(str(getattr(tokenizer, "name_or_path", "")).encode())
-    for pair in pairs:
-        digest.update(pair["source"].encode() + b"\x00" + pair["target"].encode() + b"\x01")
+    for row in rows:
+        if "messages" in row:  # a conversation (memfit.data.chat)
+            digest.update(json.dumps(row["messages"], sort_keys=True).encode() + b"\x01")
+        else:
+            digest.update(row["source"].encode() + b"\x00" + row["target"].encode() + b"\x01")
     return digest.hexdigest()[:24]
 
 

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 LABEL_PAD = -100  # positions the loss ignores
 
-AUDIT_COLUMNS = ("source_len_raw", "label_len_raw")
+AUDIT_COLUMNS = ("source_len_raw", "label_len_raw", "label_len_kept")
 
 
 def model_columns(ds: Dataset) -> Dataset:

@@ -1,9 +1,10 @@
 """Data sources: read the user's records (the shipped ACLSum, JSONL, CSV, Parquet, a hub dataset) into
 source/target pairs, with errors that name the field and the line.
 
-Every format is reduced to two text columns, `source` and `target`. For seq2seq, `source` is the encoder
-input and `target` the labels. For causal LMs, `source` is the prompt (masked out of the loss) and `target`
-the response; a single `text_column` becomes an empty prompt and the whole text as target.
+Under data.style=pairs every format is reduced to two text columns, `source` and `target`. For seq2seq, `source`
+is the encoder input and `target` the labels. For causal LMs, `source` is the prompt (masked out of the loss) and
+`target` the response; a single `text_column` becomes an empty prompt and the whole text as target. Under the chat
+styles (messages, prompt_completion, alpaca) each record becomes {messages: turns} (memfit.data.chat).
 """
 
 from __future__ import annotations
@@ -63,7 +64,11 @@ def _read_table(fmt: str, path: Path) -> list[dict[str, Any]]:
     return pq.read_table(path).to_pylist()
 
 
-def _to_pairs(records: list[dict[str, Any]], data: DictConfig, task: str, where: str) -> list[dict[str, str]]:
+def _to_pairs(records: list[dict[str, Any]], data: DictConfig, task: str, where: str) -> list[dict[str, Any]]:
+    if data.style != "pairs":  # conversations: {messages: turns}, rendered at tokenization (memfit.data.chat)
+        from memfit.data.chat import record_turns
+
+        return [{"messages": record_turns(rec, data.style, f"{where} record {i + 1}")} for i, rec in enumerate(records)]
     pairs = []
     for index, rec in enumerate(records):
         if task == "causal" and data.text_column:
@@ -93,8 +98,8 @@ def _hub_split(data: DictConfig, task: str, split: str) -> list[dict[str, str]] 
     return _to_pairs(list(ds), data, task, f"data.hub_id={data.hub_id} split {split}")
 
 
-def load_pairs(data: DictConfig, task: str) -> dict[str, list[dict[str, str]]]:
-    """Train and validation lists of {source, target}; validation may be empty."""
+def load_pairs(data: DictConfig, task: str) -> dict[str, list[dict[str, Any]]]:
+    """Train and validation lists of {source, target} (or {messages} under a chat style); validation may be empty."""
     if data.format == "aclsum":
         return {"train": _aclsum_pairs(data, "train"), "validation": _aclsum_pairs(data, "val")}
     if data.format == "hub":

@@ -39,6 +39,8 @@ class TokenizeSpec:
     max_source_length: int
     max_label_length: int
     overlength: str
+    style: str = "pairs"  # data.style: pairs, or a conversation style rendered with chat_template
+    chat_template: str | None = None  # the Jinja text conversations are rendered with (memfit.data.chat)
 
 
 def _new_encoding() -> dict[str, list]:
@@ -77,6 +79,23 @@ def _encode_causal(batch: dict[str, list[str]], tokenizer: Any, spec: TokenizeSp
     return out
 
 
+def _encode_chat(batch: dict[str, list], tokenizer: Any, spec: TokenizeSpec) -> dict[str, list]:
+    """Each conversation rendered with the chat template; labels are the assistant tokens, the rest -100. An
+    over-long conversation keeps its start (memfit.data.chat.cut_conversation); `label_len_kept` counts the assistant
+    tokens left, for the audit's coverage."""
+    from memfit.data.chat import cut_conversation, encode_turns
+
+    out = {**_new_encoding(), "label_len_kept": []}
+    for turns in batch["messages"]:
+        ids, is_label = encode_turns(tokenizer, turns, spec.chat_template)
+        keep = cut_conversation(is_label, spec.max_source_length, spec.max_label_length)
+        labels = [token if label else LABEL_PAD for token, label in zip(ids[:keep], is_label[:keep], strict=True)]
+        assistant = sum(is_label)
+        _add(out, ids[:keep], labels, len(ids) - assistant, assistant)
+        out["label_len_kept"].append(sum(is_label[:keep]))
+    return out
+
+
 def _num_proc(rows: int) -> int | None:
     """Worker processes for tokenization: only worth their start-up on large datasets."""
     return min(os.cpu_count() or 1, 8) if rows >= 50_000 else None
@@ -86,13 +105,14 @@ def tokenize_split(pairs: list[dict[str, str]], tokenizer: Any, spec: TokenizeSp
     """Tokenize in batches, truncating sources and labels; keep the raw lengths for the audit. Nothing dropped."""
     from datasets import Dataset
 
-    encode = _encode_seq2seq if spec.task == "seq2seq" else _encode_causal
+    pairs_encode = _encode_seq2seq if spec.task == "seq2seq" else _encode_causal
+    encode = _encode_chat if spec.style != "pairs" else pairs_encode
     ds = Dataset.from_list(pairs)
     return ds.map(
         lambda b: encode(b, tokenizer, spec),
         batched=True,
         batch_size=1000,
-        remove_columns=["source", "target"],
+        remove_columns=ds.column_names,
         num_proc=_num_proc(len(ds)),
         new_fingerprint=_fingerprint(len(ds), tokenizer, spec),
     )
@@ -125,6 +145,15 @@ def apply_overlength(ds: Dataset, spec: TokenizeSpec) -> Dataset:
     return ds if mask.all() else ds.select(np.flatnonzero(mask))
 
 
+def _style(data: DictConfig, tokenizer: Any) -> tuple[str, str | None]:
+    """data.style, and for a conversation style the chat template it renders with."""
+    if data.style == "pairs":
+        return "pairs", None
+    from memfit.data.chat import template_for
+
+    return data.style, template_for(tokenizer, data.chat_template)
+
+
 @dataclass
 class PreparedData:
     """Tokenized splits after the over-length policy, and the length audit of the training split."""
@@ -149,7 +178,7 @@ def load_and_tokenize(cfg: DictConfig, tokenizer: Any) -> PreparedData:
         enable_progress_bar()
     pairs = load_pairs(cfg.data, cfg.model.task)
     max_source, max_label = effective_lengths(cfg)
-    spec = TokenizeSpec(cfg.model.task, max_source, max_label, cfg.memory.overlength)
+    spec = TokenizeSpec(cfg.model.task, max_source, max_label, cfg.memory.overlength, *_style(cfg.data, tokenizer))
     train = _tokenized(_cap(pairs["train"], cfg.data.max_train_samples), tokenizer, spec, cfg.data.tokenized_cache)
     source_raw, label_raw = np.asarray(train["source_len_raw"]), np.asarray(train["label_len_raw"])
     splits = {"train": apply_overlength(train, spec)}
@@ -168,10 +197,12 @@ def load_and_tokenize(cfg: DictConfig, tokenizer: Any) -> PreparedData:
             "memory.overlength=drop dropped every training sample: raise memory.max_source_length/max_label_length"
             " or use memory.overlength=truncate"
         )
+    kept_labels = np.asarray(train["label_len_kept"]) if "label_len_kept" in train.column_names else None
     audit = audit_lengths(
         source_raw,
         label_raw,
         kept_mask(train, spec),
+        label_kept=kept_labels,
         task=cfg.model.task,
         max_source=max_source,
         max_label=max_label,
