@@ -139,10 +139,34 @@ def _quiet_checkpointing_alias() -> Iterator[None]:
         yield
 
 
+# attention and MLP projections across the Auto architectures (Llama/Qwen, BART/Pegasus, T5, BERT, GPT-2, ...)
+PROJECTIONS = {
+    "q_proj", "k_proj", "v_proj", "o_proj", "out_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
+    "q", "k", "v", "o", "wi", "wi_0", "wi_1", "wo", "query", "key", "value", "fc1", "fc2", "c_attn", "c_proj", "c_fc",
+}  # fmt: skip
+
+
+def lora_targets(model: Any) -> list[str]:
+    """The model's attention and MLP projections (its linear layers' names among PROJECTIONS), or, for an
+    architecture that names them otherwise, every linear layer but the output head."""
+    import torch
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names = {
+        name.rsplit(".", 1)[-1]
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and module is not head
+    }
+    return sorted(names & PROJECTIONS) or sorted(names)
+
+
 def _apply_lora(model: Any, model_cfg: DictConfig, memory: DictConfig) -> Any:
     from peft import LoraConfig, TaskType, get_peft_model, prepare_model_for_kbit_training
 
     lora = model_cfg.lora
+    targets = list(lora.target_modules) or lora_targets(model)
+    if not lora.target_modules:
+        log.info("LoRA adapts %s (model.lora.target_modules=[]: the architecture's projections)", ", ".join(targets))
     if memory.load_in_4bit:
         with _quiet_checkpointing_alias():
             model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=memory.gradient_checkpointing)
@@ -150,7 +174,7 @@ def _apply_lora(model: Any, model_cfg: DictConfig, memory: DictConfig) -> Any:
         r=lora.r,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
-        target_modules=list(lora.target_modules),
+        target_modules=targets,
         task_type=TaskType.SEQ_2_SEQ_LM if model_cfg.task == "seq2seq" else TaskType.CAUSAL_LM,
     )
     with _quiet_checkpointing_alias():

@@ -42,6 +42,12 @@ def test_every_shipped_option_composes_and_validates(compose_cfg, tmp_path, grou
         extra = _data_overrides(option, tmp_path) if group == "data" else []
         if group == "memory" and option == "qlora":
             extra.append("model=qwen2_5_0_5b")  # 4-bit base weights train through LoRA
+        if group == "model" and option == "local":  # a checkpoint directory: validation reads its config.json
+            checkpoint = tmp_path / "checkpoint"
+            checkpoint.mkdir(exist_ok=True)
+            (checkpoint / "config.json").write_text('{"model_type": "qwen2", "max_position_embeddings": 2048}')
+            (checkpoint / "tokenizer.json").write_text("{}")
+            extra.append(f"model.name_or_path={checkpoint}")
         cfg = compose_cfg(f"{group}={option}", *extra)
         assert cfg[group].get("name", option) == option or group in ("trainer", "tracking")
         validate(cfg, cuda_available=True)  # the config itself is sound; device needs are tested below

@@ -13,7 +13,7 @@ from omegaconf import MISSING, DictConfig
 
 GIB = 1024**3  # bytes in a GiB: every budget, limit and peak in memfit is in GiB
 
-TASKS = ("seq2seq", "causal")
+TASKS = ("seq2seq", "causal")  # model=local: auto, read from the checkpoint (memfit.config.local_model)
 MODEL_SOURCES = ("random", "pretrained", "bert2bert")
 DATA_FORMATS = ("aclsum", "jsonl", "csv", "parquet", "hub")
 ACLSUM_SECTIONS = ("abstract", "introduction", "conclusion")
@@ -36,6 +36,7 @@ class LoraConfig:
     r: int = 16
     alpha: int = 32
     dropout: float = 0.05
+    # []: the architecture's attention and MLP projections, found in the built model (memfit.models)
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
 
 
@@ -49,7 +50,7 @@ class ModelConfig:
     name_or_path: str | None = None
     tokenizer: str | None = None
     architecture: dict[str, Any] = field(default_factory=dict)
-    max_positions: int = 512
+    max_positions: int | None = 512  # model=local: null, read from the checkpoint's config.json
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 

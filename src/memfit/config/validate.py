@@ -10,6 +10,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from memfit.config.data_source import check_data_source
+from memfit.config.local_model import check_local_model, resolve_local_model
 from memfit.config.schema import (
     BATCHING,
     CALIBRATION_SETTINGS,
@@ -54,6 +55,16 @@ def _positive(problems: list[str], field_name: str, value: Any, fix: str) -> Non
 
 def _validate_model(cfg: DictConfig, problems: list[str]) -> None:
     m = cfg.model
+    read = (("task", m.task), ("max_positions", m.max_positions))
+    unresolved = [key for key, value in read if value in ("auto", None)]
+    if unresolved and not m.name_or_path:
+        problems.append(
+            f"model.{unresolved[0]} is read from a checkpoint's config.json (model=local): set "
+            "model.name_or_path=<checkpoint directory>"
+        )
+    if unresolved:
+        problems += check_local_model(m)
+        return
     _choice(problems, "model.task", m.task, TASKS)
     _choice(problems, "model.source", m.source, MODEL_SOURCES)
     if m.source == "pretrained" and not m.name_or_path:
@@ -62,10 +73,9 @@ def _validate_model(cfg: DictConfig, problems: list[str]) -> None:
         problems.append(f"model.name_or_path={m.name_or_path} does not exist: give a local checkpoint directory")
     if m.source == "random" and "model_type" not in m.architecture:
         problems.append("model.architecture.model_type is missing: random weights need an HF model_type and its config")
+    problems += check_local_model(m)
     if m.lora.enabled:
         _positive(problems, "model.lora.r", m.lora.r, "use a rank such as 8 or 16")
-        if not m.lora.target_modules:
-            problems.append("model.lora.target_modules is empty: name the linear layers to adapt, e.g. [q_proj,v_proj]")
 
 
 def _validate_lengths(cfg: DictConfig, problems: list[str]) -> None:
@@ -207,9 +217,13 @@ def _cuda_available() -> bool:
 
 
 def validate(cfg: DictConfig, cuda_available: bool | None = None) -> None:
-    """Check the composed config in one pass; raise ConfigError listing every problem."""
+    """Check the composed config in one pass; raise ConfigError listing every problem. A local checkpoint's task
+    and position limit (model=local) are read into the config first."""
+    resolve_local_model(cfg)
     problems: list[str] = []
     _validate_model(cfg, problems)
+    if cfg.model.task == "auto" or cfg.model.max_positions is None:  # the rest needs them
+        raise ConfigError(problems)
     _validate_lengths(cfg, problems)
     _validate_memory(cfg, problems)
     _validate_trainer(cfg, problems)

@@ -8,7 +8,6 @@ returns a measured report.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -17,7 +16,7 @@ import numpy as np
 
 from memfit.config import GIB
 from memfit.data.audit import BatchShape, label_coverage
-from memfit.memory.probe import Probe, ProbeSetup, probe
+from memfit.memory.probe import Probe
 
 
 @dataclass
@@ -124,88 +123,6 @@ class PreflightReport:
 def fits(probes: list[Probe], limit: int) -> bool:
     """Every probe ran without OOM and within the limit."""
     return all(not p.oom and p.judged_bytes <= limit for p in probes)
-
-
-@dataclass
-class BatchSearch:
-    """What the largest-batch search found, and where a time bound stopped it before the batch it would try next."""
-
-    largest: int | None
-    untried: int | None = None  # the next batch it would have probed
-    untried_seconds: float = 0.0  # what that probe was expected to take
-
-
-def find_max_batch(
-    setup: ProbeSetup,
-    shape: BatchShape,
-    limit: int,
-    upper: int,
-    on_probe: Callable[[int], None] | None = None,
-    measured: dict[int, Probe] | None = None,
-    max_seconds: float | None = None,
-) -> BatchSearch:
-    """The largest batch whose worst case fits: doubling from the shape's batch, then bisection below the first
-    that does not fit (down to 1), always on the worst shape. `on_probe` is told each batch size before it is
-    probed (the progress bar); `measured` collects each batch's train probe.
-
-    A batch that the last fitting probe, scaled linearly in batch size, puts well over the limit is taken as not
-    fitting without being run: on CPU nothing caps the allocator, so such a probe could take the whole host down.
-    With `max_seconds`, a probe expected (the largest probe so far, its time scaled by batch size) to end the
-    search past that many seconds is not run: on CPU a probe of hundreds of rows takes minutes.
-    """
-    measured = {} if measured is None else measured
-    seconds: dict[int, float] = {}
-    start = time.perf_counter()
-
-    class OutOfTime(Exception):
-        pass
-
-    def expected_seconds(batch: int) -> float:
-        below = [b for b in seconds if b <= batch]
-        base = max(below) if below else min(seconds, default=0)
-        return seconds[base] * batch / base if base else 0.0
-
-    def batch_fits(batch: int) -> bool:
-        fitting = [b for b, p in measured.items() if b < batch and not p.oom and p.judged_bytes <= limit]
-        if fitting:
-            base = measured[max(fitting)]
-            activations = max(base.judged_bytes - base.static_bytes, 0)
-            if base.static_bytes + activations * batch / max(fitting) > 1.1 * limit:
-                return False
-        expected = expected_seconds(batch)
-        if max_seconds is not None and time.perf_counter() - start + expected > max_seconds:
-            search.untried, search.untried_seconds = batch, expected
-            raise OutOfTime
-        if on_probe is not None:
-            on_probe(batch)
-        began = time.perf_counter()
-        probes = probe(setup, BatchShape(batch, shape.source, shape.label))
-        seconds[batch] = time.perf_counter() - began
-        measured[batch] = probes[0]
-        return fits(probes, limit)
-
-    search = BatchSearch(None)
-    good, bad = 0, None
-    try:
-        batch = max(1, shape.batch)
-        while batch <= upper:
-            if not batch_fits(batch):
-                bad = batch
-                break
-            good, batch = batch, batch * 2
-        if bad is None and 0 < good < upper:  # doubling stepped past the cap: the cap itself is the last to try
-            if batch_fits(upper):
-                good = upper
-            else:
-                bad = upper
-        if bad is not None:  # bisect between the last fit (or nothing) and the first failure
-            while bad - good > 1:
-                middle = (good + bad) // 2
-                good, bad = (middle, bad) if batch_fits(middle) else (good, middle)
-    except OutOfTime:
-        pass
-    search.largest = good or None
-    return search
 
 
 def _shortened(shape: BatchShape, name: str, length: int, task: str) -> BatchShape:

@@ -8,6 +8,7 @@ import tempfile
 from omegaconf import DictConfig, OmegaConf
 
 from memfit.config import GIB, ConfigError, validate
+from memfit.config.local_model import check_vocabulary
 from memfit.memory.policy import apply_allocator_env, fall_back_to_fp32_on_slow_cpu, pin_one_gpu, resolve_device
 from memfit.run.batch_plan import plan_batches
 from memfit.run.context import RunContext, StartupClock, TrainingSetup, WorstCase
@@ -60,6 +61,8 @@ def _start(cfg: DictConfig, clock: StartupClock) -> RunContext:
     set_seed(cfg.trainer.seed)
     clock.lap("checks")
     tokenizer = build_tokenizer(cfg.model)
+    if problems := check_vocabulary(cfg.model, tokenizer):
+        raise ConfigError(problems)
     clock.lap("tokenizer")
     prepared = load_and_tokenize(cfg, tokenizer)
     clock.lap("data")

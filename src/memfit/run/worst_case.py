@@ -172,7 +172,7 @@ def _max_batch(ctx: RunContext, probes: Any, report: Any) -> tuple[int | None, s
     """The largest batch whose worst case fits, searched up to preflight.max_batch_limit or the number of training
     samples (a larger batch would repeat samples), whether or not the configured batch fits; and, where the search
     reached that cap, what the cap was, or where not even batch 1 fits, what it needs."""
-    from memfit.memory.preflight import find_max_batch
+    from memfit.memory.batch_search import find_max_batch
     from memfit.progress import progress_bar
 
     worst_shape = max(ctx.prepared.audit.worst_train, key=lambda s: s.tokens)

@@ -51,7 +51,13 @@ def length_choices(raw: np.ndarray, multiple: int | None, cap: int) -> list[int]
 
 def search_space(arguments: list[str], params: dict[str, Any], config: DictConfig) -> SearchSpace:
     """The recipe's params and the command line (which wins), `quantiles` lengths derived from the data."""
+    from omegaconf import read_write
     from optuna.distributions import CategoricalDistribution
+
+    from memfit.config.local_model import resolve_local_model
+
+    with read_write(config.model):  # model=local: the checkpoint's task and positions, as each trial reads them
+        resolve_local_model(config)
 
     from memfit.sweep.screen import data_lengths
 

@@ -1,0 +1,76 @@
+"""model=local: a checkpoint directory trains with nothing but its path; its problems are one line each, exit 2."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from memfit.config.local_model import positions_of, task_of
+from memfit.models import build_model, build_tokenizer
+from memfit.run import run
+from tests.conftest import FAST, readme_command, run_train_py
+
+
+def _save_checkpoint(compose_cfg, directory, model: str, vocab: int | None = None):
+    """A tiny model's random weights and the bundled tokenizer, saved as save_pretrained writes a checkpoint. Read
+    back beside a config.json, the tokenizer takes the architecture's class, which may add an end token: the
+    embedding is sized for what the directory's tokenizer holds unless `vocab` says otherwise."""
+    from transformers import AutoTokenizer
+
+    cfg = compose_cfg(f"model={model}", "model.lora.enabled=false", "trainer.device=cpu")
+    build_tokenizer(cfg.model).save_pretrained(directory)
+    build_model(cfg, build_tokenizer(cfg.model), "cpu").model.save_pretrained(directory)
+    size = vocab or -(-len(AutoTokenizer.from_pretrained(directory)) // 8) * 8
+    cfg = compose_cfg(f"model={model}", "model.lora.enabled=false", f"model.architecture.vocab_size={size}")
+    build_model(cfg, build_tokenizer(cfg.model), "cpu").model.save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model", "task"), [("tiny_causal", "causal"), ("tiny_seq2seq", "seq2seq")])
+def test_a_saved_checkpoint_trains_from_its_path_alone(compose_cfg, tmp_path, caplog, model, task):
+    readme = readme_command("python train.py model=local")[2:]  # the README's command, its path made here
+    path = _save_checkpoint(compose_cfg, tmp_path / "checkpoint", model)
+    readme = [f"model.name_or_path={path}" if o.startswith("model.name_or_path=") else o for o in readme]
+    cfg = compose_cfg(*readme, *FAST)
+    with caplog.at_level("INFO"):
+        report = run(cfg)
+    assert report.status == "ok" and report.steps == 3
+    assert cfg.model.task == task and cfg.model.max_positions in (1024, 2048)  # read from its config.json
+    targets = (
+        "down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj"
+        if task == "causal"
+        else "fc1, fc2, k_proj, out_proj, q_proj, v_proj"
+    )
+    assert f"LoRA adapts {targets}" in caplog.text  # the architecture's attention and MLP projections, listed
+
+
+def test_task_and_positions_are_read_from_the_checkpoint_config():
+    assert task_of({"is_encoder_decoder": True}) == "seq2seq" and task_of({"model_type": "qwen2"}) == "causal"
+    assert positions_of({"max_position_embeddings": 4096}) == 4096
+    assert positions_of({"n_positions": 512, "model_type": "t5"}) == 512
+    assert positions_of({"model_type": "encoder-decoder", "decoder": {"max_position_embeddings": 256}}) == 256
+
+
+@pytest.mark.slow
+def test_a_checkpoint_directory_with_a_problem_stops_with_one_line_before_any_model_load(compose_cfg, tmp_path):
+    good = _save_checkpoint(compose_cfg, tmp_path / "good", "tiny_causal")
+    no_config = shutil.copytree(good, tmp_path / "no_config")
+    (no_config / "config.json").unlink()
+    no_tokenizer = shutil.copytree(good, tmp_path / "no_tokenizer")
+    for name in ("tokenizer.json", "vocab.txt"):
+        (no_tokenizer / name).unlink(missing_ok=True)
+    small = _save_checkpoint(compose_cfg, tmp_path / "small", "tiny_causal", vocab=1000)
+    cases = [
+        (no_config, "has no config.json"),
+        (no_tokenizer, "has no tokenizer files"),
+        (small, "its vocabulary has 1000 entries but its tokenizer"),
+    ]
+    for path, said in cases:
+        out = run_train_py(
+            "model=local", f"model.name_or_path={path}", f"output_dir={tmp_path / 'out'}", "trainer.device=cpu"
+        )
+        lines = [line for line in out.stderr.splitlines() if line.startswith("memfit: error")]
+        assert out.returncode == 2 and len(lines) == 1 and said in lines[0], out.stderr[-1500:]
+    assert not (tmp_path / "out" / "mlflow.db").exists()  # nothing recorded
