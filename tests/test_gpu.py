@@ -66,6 +66,14 @@ def test_the_preflight_catches_what_the_cap_would_kill(compose_cfg):
     assert "OUT OF MEMORY" in report.reason or "does NOT fit" in report.reason
 
 
+def test_adamw_on_cuda_is_fused_and_the_run_says_so(compose_cfg):
+    cfg = compose_cfg(*GPU_RUN, "memory.optimizer=adamw")
+    report = run(cfg)
+    assert report.status == "ok" and report.steps == 3
+    tags = MlflowClient(default_tracking_uri(cfg.output_dir)).get_run(report.run_id).data.tags
+    assert tags["memfit.optimizer"] == "torch.optim.adamw.AdamW (fused)"
+
+
 def _weights_on_gpu(cfg) -> tuple[int, object]:
     """Bytes the built model occupies on the GPU, and the model."""
     from memfit.models import build_model, build_tokenizer

@@ -6,6 +6,7 @@ import shutil
 
 import pytest
 
+from memfit.config import ConfigError
 from memfit.config.local_model import positions_of, task_of
 from memfit.models import build_model, build_tokenizer
 from memfit.run import run
@@ -56,7 +57,7 @@ def test_task_and_positions_are_read_from_the_checkpoint_config():
 
 
 @pytest.mark.slow
-def test_a_checkpoint_directory_with_a_problem_stops_with_one_line_before_any_model_load(compose_cfg, tmp_path):
+def test_a_checkpoint_directory_with_a_problem_stops_with_one_line_before_any_model_load(compose_cfg, tmp_path, caplog):
     good = _save_checkpoint(compose_cfg, tmp_path / "good", "tiny_causal")
     no_config = shutil.copytree(good, tmp_path / "no_config")
     (no_config / "config.json").unlink()
@@ -69,10 +70,13 @@ def test_a_checkpoint_directory_with_a_problem_stops_with_one_line_before_any_mo
         (no_tokenizer, "has no tokenizer files"),
         (small, "its vocabulary has 1000 entries but its tokenizer"),
     ]
-    for path, said in cases:
-        out = run_train_py(
-            "model=local", f"model.name_or_path={path}", f"output_dir={tmp_path / 'out'}", "trainer.device=cpu"
-        )
-        lines = [line for line in out.stderr.splitlines() if line.startswith("memfit: error")]
-        assert out.returncode == 2 and len(lines) == 1 and said in lines[0], out.stderr[-1500:]
-    assert not (tmp_path / "out" / "mlflow.db").exists()  # nothing recorded
+    path, said = cases[0]  # train.py: exit 2, nothing recorded; the others raise the same lines from run()
+    out = run_train_py("model=local", f"model.name_or_path={path}", f"output_dir={tmp_path / 'out'}")
+    lines = [line for line in out.stderr.splitlines() if line.startswith("memfit: error")]
+    assert out.returncode == 2 and len(lines) == 1 and said in lines[0], out.stderr[-1500:]
+    assert not (tmp_path / "out" / "mlflow.db").exists()
+    for path, said in cases[1:]:
+        with caplog.at_level("INFO"), pytest.raises(ConfigError) as caught:
+            run(compose_cfg("model=local", f"model.name_or_path={path}", "trainer.device=cpu"))
+        assert len(str(caught.value).splitlines()) == 1 and said in str(caught.value)
+        assert "LoRA adapts" not in caplog.text  # stopped before the model was built

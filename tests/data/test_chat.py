@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
 
+from memfit.config import ConfigError
 from memfit.data import DataError, TokenizeSpec, load_and_tokenize
 from memfit.data.chat import CHAT_TEMPLATES, cut_conversation, encode_turns, record_turns
 from memfit.data.tokenize import tokenize_split
@@ -139,21 +140,28 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tokenizer):
 
 
 @pytest.mark.slow
-def test_bad_chat_input_stops_with_one_line_before_any_model_load(tmp_path):
+def test_bad_chat_input_stops_with_one_line_before_any_model_load(compose_cfg, tmp_path, caplog):
+    """train.py's exit 2 and nothing recorded, for a tokenizer without a template; the other bad inputs raise the
+    same one-line errors from the same run() before the model is built (main turns them into exit 2)."""
     chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}] * 4)
+    out = run_train_py(
+        "data=jsonl", "model=tiny_causal", f"data.path={chat}", "data.style=messages",
+        f"output_dir={tmp_path / 'out'}", "trainer.device=cpu",
+    )  # fmt: skip
+    lines = [line for line in out.stderr.splitlines() if line.startswith("memfit: error")]
+    assert out.returncode == 2 and len(lines) == 1 and "this tokenizer has none" in lines[0], out.stderr[-1500:]
+    assert not (tmp_path / "out" / "mlflow.db").exists()  # nothing recorded
     bad_roles = write_jsonl(tmp_path / "roles.jsonl", [{"messages": CONVERSATION[1:2] * 2}])
     cases = [
-        (["model=tiny_causal", f"data.path={chat}", "data.style=messages"], "this tokenizer has none"),
         (["model=tiny_causal", f"data.path={bad_roles}", "data.style=messages", "data.chat_template=chatml"], "roles"),
         (["model=tiny_seq2seq", f"data.path={chat}", "data.style=messages"], "for a causal LM"),
-        (["model=tiny_causal", f"data.path={chat}", "data.style=alpaca"], "needs column 'instruction'"),
+        (["model=tiny_causal", f"data.path={chat}", "data.style=alpaca"], "needs column 'instruction', 'output'"),
     ]
     for overrides, said in cases:
-        out = run_train_py("data=jsonl", *overrides, f"output_dir={tmp_path / 'out'}", "trainer.device=cpu")
-        lines = [line for line in out.stderr.splitlines() if line.startswith("memfit: error")]
-        assert out.returncode == 2 and len(lines) == 1 and said in lines[0], out.stderr[-1500:]
-        assert "random weights" not in out.stderr  # stopped before the model was built
-    assert not (tmp_path / "out" / "mlflow.db").exists()  # nothing recorded
+        with caplog.at_level("INFO"), pytest.raises((ConfigError, DataError)) as caught:
+            run(compose_cfg("data=jsonl", *overrides, "trainer.device=cpu"))
+        assert len(str(caught.value).splitlines()) == 1 and said in str(caught.value)
+        assert "random weights" not in caplog.text  # stopped before the model was built
 
 
 def _docs_examples() -> list[tuple[str, list[str]]]:

@@ -43,7 +43,7 @@ from memfit.memory.state import ModelStateBytes
 
 log = logging.getLogger(__name__)
 
-FORMAT = 7  # bump when what a calibration file holds or how it is fitted changes: old files are then not reused
+FORMAT = 8  # bump when what a calibration file holds or how it is fitted changes: old files are then not reused
 # 7: probe batches carry a padding mask (preflight.make_batch), which holds more memory than none
 # the memory knobs that change what a step holds for a given shape (their Knob.step; lengths and padding do not)
 POLICY_KNOBS = tuple(name for name, knob in memory_knobs().items() if knob.step)

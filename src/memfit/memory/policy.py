@@ -141,6 +141,15 @@ def _sampling_kwargs(args_cls: type, group_by_length: bool) -> dict[str, Any]:
     return {"group_by_length": group_by_length} if "group_by_length" in names else {}
 
 
+def optimizer_name(optimizer: str, device: str) -> str:
+    """Trainer's `optim` for memory.optimizer: AdamW is fused on CUDA (one kernel per step, no foreach temporaries:
+    a lower optimizer-step peak, e.g. 8.98 against 10.67 GiB for checkpointed pegasus_large at 8 × 1024 × 64 on an
+    H200, and faster), foreach or per-tensor elsewhere."""
+    if optimizer == "adamw" and device == "cuda":
+        return "adamw_torch_fused"
+    return OPTIMIZER_NAMES[optimizer]
+
+
 def training_arguments(cfg: DictConfig, device: str, output_dir: str, has_eval: bool) -> Any:
     """HF (Seq2Seq)TrainingArguments from the trainer config and the memory policy's knobs."""
     from transformers import Seq2SeqTrainingArguments, TrainingArguments
@@ -172,7 +181,7 @@ def training_arguments(cfg: DictConfig, device: str, output_dir: str, has_eval: 
         seed=t.seed,
         bf16=mem.precision == "bf16",
         fp16=mem.precision == "fp16",
-        optim=OPTIMIZER_NAMES[mem.optimizer],
+        optim=optimizer_name(mem.optimizer, device),
         torch_empty_cache_steps=mem.empty_cache_steps,
         use_cpu=device == "cpu",
         dataloader_num_workers=t.dataloader_num_workers,

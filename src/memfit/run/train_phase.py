@@ -91,7 +91,8 @@ def _epoch_tokens_per_s(ctx: RunContext, setup: TrainingSetup) -> float | None:
 
 def _optimizer_name(trainer: Any) -> str:
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate wraps the one Trainer built
-    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+    fused = " (fused)" if getattr(optimizer, "defaults", {}).get("fused") else ""
+    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}{fused}"
 
 
 def train(ctx: RunContext, setup: TrainingSetup) -> RunReport:
