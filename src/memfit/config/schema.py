@@ -20,6 +20,7 @@ ACLSUM_SECTIONS = ("abstract", "introduction", "conclusion")
 ACLSUM_TARGETS = ("challenge", "approach", "outcome", "abstract")
 OVERLENGTH_POLICIES = ("truncate", "drop")
 PRECISIONS = ("fp32", "bf16", "fp16")
+FROZEN_DTYPES = ("auto", "fp32", "bf16")
 WEIGHT_DTYPES = ("fp32", "bf16")
 OPTIMIZERS = ("adamw", "adamw_8bit", "adafactor")
 LOSSES = ("standard", "chunked")  # memfit.memory.loss
@@ -115,6 +116,8 @@ class MemoryConfig:
         "fp32", step=True, applied_by="trainer", cuda_only=("fp16",), on_cpu="use memory.precision=bf16 or fp32"
     )
     weights_dtype: str = knob("fp32", step=True, applied_by="model")
+    # LoRA's frozen base weights (memfit.models.frozen_dtype): auto stores them in bf16 where the step runs in bf16
+    frozen_dtype: str = knob("auto", step=True, applied_by="model")
     optimizer: str = knob(
         "adamw",
         step=True,

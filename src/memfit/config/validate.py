@@ -15,6 +15,7 @@ from memfit.config.schema import (
     BATCHING,
     CALIBRATION_SETTINGS,
     DEVICES,
+    FROZEN_DTYPES,
     LOSSES,
     MODEL_SOURCES,
     OPTIMIZERS,
@@ -100,6 +101,7 @@ def _validate_memory(cfg: DictConfig, problems: list[str]) -> None:
     _choice(problems, "memory.overlength", mem.overlength, OVERLENGTH_POLICIES)
     _choice(problems, "memory.precision", mem.precision, PRECISIONS)
     _choice(problems, "memory.weights_dtype", mem.weights_dtype, WEIGHT_DTYPES)
+    _choice(problems, "memory.frozen_dtype", mem.frozen_dtype, FROZEN_DTYPES)
     _choice(problems, "memory.optimizer", mem.optimizer, OPTIMIZERS)
     _choice(problems, "memory.loss", mem.loss, LOSSES)
     _positive(problems, "memory.pad_to_multiple_of", mem.pad_to_multiple_of, "use 8 (tensor cores) or null")

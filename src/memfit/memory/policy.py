@@ -53,7 +53,7 @@ def fall_back_to_fp32_on_slow_cpu(memory: DictConfig, device: str) -> list[str]:
     the recorded config says fp32. Returns the knobs changed."""
     if device != "cpu" or cpu_runs_bf16_fast():
         return []
-    changed = [knob for knob in ("precision", "weights_dtype") if memory[knob] == "bf16"]
+    changed = [knob for knob in ("precision", "weights_dtype", "frozen_dtype") if memory[knob] == "bf16"]
     for knob in changed:
         memory[knob] = "fp32"
     return changed
