@@ -34,6 +34,7 @@ class Estimate:
     calibration: str | None = None  # "<key> (cached | fitted from N probes on <device>)"
     lengths: tuple[int, int] | None = None  # (source, label) the largest batch is judged at
     budget_label: str = "budget"  # what the budget is: budget.gib, or without it the device's memory
+    loss_saving: int = 0  # what memory.loss=chunked would hold less at the worst batch (0: it is already chunked)
 
     @property
     def fits(self) -> bool | None:
@@ -46,7 +47,17 @@ class Estimate:
             out["estimate/peak_allocated_gib"] = self.peak.allocated / GIB
             out["estimate/peak_reserved_gib"] = self.peak.reserved / GIB
             out["estimate/largest_batch"] = float(self.largest_batch or 0)
+        if self.loss_saving:
+            out["estimate/chunked_loss_saving_gib"] = self.loss_saving / GIB
         return out
+
+    def _loss_line(self) -> list[str]:
+        if not self.loss_saving:
+            return []
+        return [
+            f"  memory.loss=chunked would hold ~{size(self.loss_saving)} less at this batch (no full float32 logits "
+            "and gradient; one more head product per chunk)"
+        ]
 
     def _parts(self) -> dict[str, int]:
         if self.peak is not None:
@@ -68,6 +79,7 @@ class Estimate:
                     f"  model state: {parts}; total {size(self.state.total)}",
                     f"  worst {what}: its float32 logits alone hold {size(self.logits)}; activations not estimated",
                     f"  {limit}",
+                    *self._loss_line(),
                 ]
             )
         verdict = "fits" if self.fits else "does NOT fit"
@@ -80,6 +92,7 @@ class Estimate:
                 f"reserved {size(self.peak.reserved)}: {verdict} the {limit}",
                 f"  breakdown: {parts}",
                 f"  largest batch predicted to fit at {at}: {self._largest()}",
+                *self._loss_line(),
             ]
         )
 
@@ -99,6 +112,7 @@ def estimate(
     budget: int,
     limit: int,
     upper: int,
+    loss: str = "standard",
 ) -> Estimate:
     """The estimate for the audit's worst batches: the one with most tokens, and for the largest batch, the longest
     source and the longest label together (what any batch of two or more rows can hold)."""
@@ -108,6 +122,10 @@ def estimate(
     if calibration is not None:  # the worst is the one predicted highest
         shape = max(worst, key=lambda s: calibration.estimate(s).reserved)
     result = Estimate(task, shape, limit, budget, state, logits_bytes(shape.batch, shape.source, shape.label, arch))
+    if loss == "standard":
+        from memfit.memory.loss import chunked_saving
+
+        result.loss_saving = chunked_saving(result.logits)
     if calibration is None:
         return result
     result.peak = calibration.estimate(shape)

@@ -219,12 +219,9 @@ def _policy_ways(
     checkpointing, the optimizer, LoRA."""
     ranked: list[tuple[float, str]] = []
     if getattr(memory, "loss", None) == "standard" and logits:
-        from memfit.memory.loss import CHUNK_BYTES
+        from memfit.memory.loss import chunked_saving
 
-        # the standard loss holds float32 logits and their log-softmax, then their gradients; the chunked one a
-        # chunk of them (tiny_seq2seq on CPU, batch 4 × 304 labels: 160 MiB less, batch 16: 1.4 GiB less;
-        # benchmarks/loss_memory_cpu.py)
-        saving = max(2 * logits - 2 * CHUNK_BYTES, 0)
+        saving = chunked_saving(logits)
         if saving:
             ranked.append(
                 (

@@ -136,6 +136,7 @@ def estimate(ctx: RunContext, setup: TrainingSetup) -> RunReport:
         budget,
         limit,
         upper,
+        cfg.memory.loss,
     )
     result.largest_cap = _cap_note(result.largest_batch, upper, samples)  # as preflight_only says it
     result.budget_label = ctx.cap.judged_against
