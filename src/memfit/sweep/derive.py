@@ -14,11 +14,15 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig
 
-from memfit.sweep.space import SweepConfigError, parse_search
+from memfit.sweep.space import BATCHING, SweepConfigError, parse_search
 
 log = logging.getLogger("memfit.sweep")
 
 DERIVED = "quantiles"  # a params value: choices at the data's quantiles
+# trainer.batching's params value `auto`: both kinds of batches where trials train on a GPU, where budget-shaped ones
+# beat the fixed batch that the worst case allows at every budget measured (1.2-6x tokens/s, H200,
+# benchmarks/README.md); fixed on CPU, where host-memory budgets make a plan of probes for little gain
+BATCHING_AUTO = "auto"
 QUANTILES = (0.9, 0.99, 0.999, 1.0)
 RAW = {"memory.max_source_length": "source", "memory.max_label_length": "label"}
 
@@ -49,6 +53,23 @@ def length_choices(raw: np.ndarray, multiple: int | None, cap: int) -> list[int]
     return sorted({min(padded(int(v), multiple), cap) for v in values})
 
 
+def _batching_choice(params: dict[str, Any], config: DictConfig) -> dict[str, Any]:
+    """`trainer.batching: auto` in the recipe: choice(fixed,budget) where trials train on a GPU, else not searched."""
+    if str(params.get(BATCHING)) != BATCHING_AUTO:
+        return params
+    from memfit.memory.policy import resolve_device
+
+    searched = {key: value for key, value in params.items() if key != BATCHING}
+    if resolve_device(config) == "cuda":
+        searched[BATCHING] = "choice(fixed,budget)"
+    else:
+        log.info(
+            "trainer.batching: %s (budget-shaped batches are searched where trials train on a GPU)",
+            config.trainer.batching,
+        )
+    return searched
+
+
 def search_space(arguments: list[str], params: dict[str, Any], config: DictConfig) -> SearchSpace:
     """The recipe's params and the command line (which wins), `quantiles` lengths derived from the data."""
     from omegaconf import read_write
@@ -58,6 +79,7 @@ def search_space(arguments: list[str], params: dict[str, Any], config: DictConfi
 
     with read_write(config.model):  # model=local: the checkpoint's task and positions, as each trial reads them
         resolve_local_model(config)
+    params = _batching_choice(params, config)
 
     from memfit.sweep.screen import data_lengths
 
