@@ -42,6 +42,7 @@ ATTRS = (
     "predicted_peak_gib",  # the memory model's prediction for the worst batch, beside the measured peak
     "calibration",  # the memory model's calibration file: later trials are predicted from it
     "alloc_retries",  # > 0: the segment ran against the cap, its tokens/s includes the allocator's waits
+    "phase_seconds",  # what the trial's time went to: start-up phases, preflight (or batch plan), training
 )
 
 

@@ -97,7 +97,9 @@ class TrialTeller:
         if child is not None:
             runs.record_outcome(child, outcome, self.objectives)
         state = "feasible" if outcome.feasible else outcome.attrs.get("status")
-        log.info("trial %d %s: %s", trial.number, state, dict(trial.params))
+        phases = ", ".join(f"{name} {sec:.1f}" for name, sec in (outcome.attrs.get("phase_seconds") or {}).items())
+        cost = f"{result.seconds:.1f} s in its process" + (f" (seconds: {phases})" if phases else "")
+        log.info("trial %d %s: %s; %s", trial.number, state, dict(trial.params), cost)
         return outcome
 
     def told_without_running(self, study: Any, trial: Any, parent: Any) -> bool:
