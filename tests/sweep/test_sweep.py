@@ -262,7 +262,7 @@ def test_the_readme_budget_sweep_finds_and_exports_a_preset(readme_budget_sweep,
     assert all(t.user_attrs["standby_wait_s"] >= 0 for t in ran)  # each ran in a process started ahead of it
     measured = [t for t in ran if t.user_attrs["status"] == "ok"]
     assert measured and all({"model", "preflight", "train"} <= set(t.user_attrs["phase_seconds"]) for t in measured)
-    assert re.search(r"trial \d+ feasible: .*; [\d.]+ s in its process \(seconds: checks [\d.]+, ", first.stderr)
+    assert re.search(r"trial \d+ feasible: .*; [\d.]+ s in its process \(seconds: checks [\d.]+, ", first.stdout)
     told = [t for t in study.trials if t.user_attrs.get("not_run")]
     assert all(t.user_attrs["device_seconds"] == 0.0 and t.user_attrs["reason"].startswith("not run: ") for t in told)
     infeasible = [t for t in study.trials if t.constraints["memory_gib"] > 0]
