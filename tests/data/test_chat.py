@@ -185,3 +185,20 @@ def test_the_docs_examples_train_three_steps_on_each_style(compose_cfg, tmp_path
     client = MlflowClient(default_tracking_uri(cfg.output_dir))
     assert len(client.get_metric_history(report.run_id, "train/loss")) == 3
     assert all(m.value > 0 for m in client.get_metric_history(report.run_id, "mem/peak_allocated_gib"))
+
+
+def test_the_tokenizers_own_template_is_used_unless_data_chat_template_is_set(tokenizer, compose_cfg, tmp_path):
+    """A checkpoint's tokenizer with its own template (as Qwen2.5-Instruct's has) needs no data.chat_template."""
+    own = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>{% endfor %}"
+    own += "{% if add_generation_prompt %}<assistant>{% endif %}"
+    tokenizer.save_pretrained(tmp_path / "tok")
+    (tmp_path / "tok" / "chat_template.jinja").write_text(own)
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}] * 4)
+    base = ["model=tiny_causal", f"model.tokenizer={tmp_path / 'tok'}", "data=jsonl", f"data.path={path}"]
+    cfg = compose_cfg(*base, "data.style=messages", "data.validation_fraction=0")
+    with_own = build_tokenizer(cfg.model)
+    assert with_own.chat_template == own
+    row = load_and_tokenize(cfg, with_own).datasets["train"][0]
+    assert row["input_ids"] == encode_turns(with_own, CONVERSATION, own)[0]
+    chatml = load_and_tokenize(compose_cfg(*base, "data.style=messages", "data.chat_template=chatml"), with_own)
+    assert chatml.datasets["train"][0]["input_ids"] == encode_turns(with_own, CONVERSATION, CHATML)[0]
