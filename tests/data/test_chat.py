@@ -202,3 +202,20 @@ def test_the_tokenizers_own_template_is_used_unless_data_chat_template_is_set(to
     assert row["input_ids"] == encode_turns(with_own, CONVERSATION, own)[0]
     chatml = load_and_tokenize(compose_cfg(*base, "data.style=messages", "data.chat_template=chatml"), with_own)
     assert chatml.datasets["train"][0]["input_ids"] == encode_turns(with_own, CONVERSATION, CHATML)[0]
+
+
+def test_a_run_says_how_many_conversations_truncation_cut_and_what_they_lose(tokenizer, compose_cfg, tmp_path, caplog):
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}] * 3 + [{"messages": CONVERSATION[1:3]}])
+    cfg = compose_cfg(
+        "model=tiny_causal", "data=jsonl", f"data.path={path}", "data.style=messages", "data.chat_template=chatml",
+        "data.validation_fraction=0", "memory.max_source_length=40", "memory.max_label_length=512",
+    )  # fmt: skip
+    with caplog.at_level("WARNING", logger="memfit"):
+        prepared = load_and_tokenize(cfg, tokenizer)
+    lost = int((prepared.label_raw - np.asarray(prepared.datasets["train"]["label_len_kept"])).sum())
+    assert lost > 0
+    assert (
+        "3 conversation(s) longer than memory.max_source_length=40 / max_label_length=512 keep their start"
+        in (caplog.text)
+        and f"{lost} of their assistant tokens are not trained" in caplog.text
+    )

@@ -5,6 +5,7 @@ the length audit.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -15,6 +16,8 @@ from omegaconf import DictConfig
 from memfit.config import effective_lengths
 from memfit.data.collate import LABEL_PAD
 from memfit.data.sources import DataError, load_pairs
+
+log = logging.getLogger("memfit")
 
 if TYPE_CHECKING:
     from datasets import Dataset, DatasetDict
@@ -145,6 +148,17 @@ def apply_overlength(ds: Dataset, spec: TokenizeSpec) -> Dataset:
     return ds if mask.all() else ds.select(np.flatnonzero(mask))
 
 
+def _say_cut_conversations(source: np.ndarray, label: np.ndarray, kept: np.ndarray, spec: TokenizeSpec) -> None:
+    """memory.overlength=truncate keeps a long conversation's start: say how many were cut and what they lose."""
+    cut = (source > spec.max_source_length) | (label > spec.max_label_length)
+    if cut.any():
+        log.warning(
+            "%d conversation(s) longer than memory.max_source_length=%d / max_label_length=%d keep their start "
+            "(memory.overlength=truncate): %d of their assistant tokens are not trained",
+            int(cut.sum()), spec.max_source_length, spec.max_label_length, int((label - kept)[cut].sum()),
+        )  # fmt: skip
+
+
 def _style(data: DictConfig, tokenizer: Any) -> tuple[str, str | None]:
     """data.style, and for a conversation style the chat template it renders with."""
     if data.style == "pairs":
@@ -198,6 +212,8 @@ def load_and_tokenize(cfg: DictConfig, tokenizer: Any) -> PreparedData:
             " or use memory.overlength=truncate"
         )
     kept_labels = np.asarray(train["label_len_kept"]) if "label_len_kept" in train.column_names else None
+    if kept_labels is not None and spec.overlength == "truncate":
+        _say_cut_conversations(source_raw, label_raw, kept_labels, spec)
     audit = audit_lengths(
         source_raw,
         label_raw,
