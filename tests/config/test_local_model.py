@@ -45,8 +45,9 @@ def test_a_saved_checkpoint_trains_from_its_path_alone(compose_cfg, tmp_path, ca
         else "fc1, fc2, k_proj, out_proj, q_proj, v_proj"
     )
     assert f"LoRA adapts {targets}" in caplog.text  # the architecture's attention and MLP projections, listed
-    estimate = run(compose_cfg(*readme, *FAST, "estimate_only=true", "calibration.enabled=true", "tracking=none"))
-    assert estimate.status == "ok" and estimate.predicted_peak_gib > 0  # the memory model calibrates it too
+    if task == "causal":  # the memory model calibrates it too (once: the seq2seq architecture is a shipped one's)
+        estimate = run(compose_cfg(*readme, *FAST, "estimate_only=true", "calibration.enabled=true", "tracking=none"))
+        assert estimate.status == "ok" and estimate.predicted_peak_gib > 0
 
 
 def test_task_and_positions_are_read_from_the_checkpoint_config():

@@ -48,11 +48,12 @@ def test_cudnn_attention_follows_the_policy_on_cuda_only(enabled):
 @pytest.mark.parametrize("fast", [False, True])
 def test_bf16_falls_back_to_fp32_only_on_a_cpu_without_fast_bf16(monkeypatch, fast):
     monkeypatch.setattr(policy, "cpu_runs_bf16_fast", lambda: fast)
-    memory = OmegaConf.create({"precision": "bf16", "weights_dtype": "bf16"})
+    memory = OmegaConf.create({"precision": "bf16", "weights_dtype": "bf16", "frozen_dtype": "bf16"})
     changed = policy.fall_back_to_fp32_on_slow_cpu(memory, "cpu")
-    assert changed == ([] if fast else ["precision", "weights_dtype"])
+    assert changed == ([] if fast else ["precision", "weights_dtype", "frozen_dtype"])
     assert memory.precision == ("bf16" if fast else "fp32") and memory.weights_dtype == memory.precision
-    on_gpu = OmegaConf.create({"precision": "bf16", "weights_dtype": "fp32"})
+    assert memory.frozen_dtype == memory.precision  # LoRA's frozen base too
+    on_gpu = OmegaConf.create({"precision": "bf16", "weights_dtype": "fp32", "frozen_dtype": "auto"})
     assert policy.fall_back_to_fp32_on_slow_cpu(on_gpu, "cuda") == [] and on_gpu.precision == "bf16"
 
 
