@@ -207,7 +207,7 @@ class BuiltModel:
     trainable_params: int
 
 
-def frozen_dtype(model_cfg: DictConfig, memory: DictConfig) -> str:
+def stored_dtype(model_cfg: DictConfig, memory: DictConfig) -> str:
     """The dtype the model's weights are stored in: a full fine-tune's memory.weights_dtype; under LoRA, whose base
     weights are frozen and need no fp32 master copy, memory.frozen_dtype, where auto is bf16 when the step runs in
     bf16 autocast (on an H200, qwen2_5_1_5b LoRA at 1 × 2048 under 24 GiB: 19.72 -> 13.98 GiB peak, issue 26)."""
@@ -221,7 +221,7 @@ def frozen_dtype(model_cfg: DictConfig, memory: DictConfig) -> str:
 def build_model(cfg: DictConfig, tokenizer: Any, device: str) -> BuiltModel:
     """The model the config names, on `device`, with the policy's dtype, LoRA, 4-bit and checkpointing."""
     model_cfg, memory = cfg.model, cfg.memory
-    stored = frozen_dtype(model_cfg, memory)
+    stored = stored_dtype(model_cfg, memory)
     if model_cfg.lora.enabled:
         log.info("LoRA base weights stored in %s (memory.frozen_dtype=%s)", stored, memory.frozen_dtype)
     dtype = _dtype(stored)

@@ -59,6 +59,22 @@ def resolve_local_model(cfg: DictConfig) -> None:
         model.max_positions = positions_of(config)
 
 
+def unresolved_problems(model: DictConfig) -> list[str]:
+    """Where model.task=auto or model.max_positions=null could not be read from a checkpoint: why, one line each
+    (the rest of validation needs them); else nothing."""
+    unread = [
+        key for key, value in (("task", model.task), ("max_positions", model.max_positions)) if value in ("auto", None)
+    ]
+    if not unread:
+        return []
+    if not model.name_or_path:
+        return [
+            f"model.{unread[0]} is read from a checkpoint's config.json (model=local): set "
+            "model.name_or_path=<checkpoint directory>"
+        ]
+    return check_local_model(model) or [f"model.name_or_path={model.name_or_path} is not a checkpoint directory"]
+
+
 def check_local_model(model: DictConfig) -> list[str]:
     """A checkpoint directory's problems, found without loading it."""
     path = model.name_or_path

@@ -116,7 +116,7 @@ class MemoryConfig:
         "fp32", step=True, applied_by="trainer", cuda_only=("fp16",), on_cpu="use memory.precision=bf16 or fp32"
     )
     weights_dtype: str = knob("fp32", step=True, applied_by="model")
-    # LoRA's frozen base weights (memfit.models.frozen_dtype): auto stores them in bf16 where the step runs in bf16
+    # LoRA's frozen base weights (memfit.models.stored_dtype): auto stores them in bf16 where the step runs in bf16
     frozen_dtype: str = knob("auto", step=True, applied_by="model")
     optimizer: str = knob(
         "adamw",

@@ -10,7 +10,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from memfit.config.data_source import check_data_source
-from memfit.config.local_model import check_local_model, resolve_local_model
+from memfit.config.local_model import check_local_model, resolve_local_model, unresolved_problems
 from memfit.config.schema import (
     BATCHING,
     CALIBRATION_SETTINGS,
@@ -56,16 +56,6 @@ def _positive(problems: list[str], field_name: str, value: Any, fix: str) -> Non
 
 def _validate_model(cfg: DictConfig, problems: list[str]) -> None:
     m = cfg.model
-    read = (("task", m.task), ("max_positions", m.max_positions))
-    unresolved = [key for key, value in read if value in ("auto", None)]
-    if unresolved and not m.name_or_path:
-        problems.append(
-            f"model.{unresolved[0]} is read from a checkpoint's config.json (model=local): set "
-            "model.name_or_path=<checkpoint directory>"
-        )
-    if unresolved:
-        problems += check_local_model(m)
-        return
     _choice(problems, "model.task", m.task, TASKS)
     _choice(problems, "model.source", m.source, MODEL_SOURCES)
     if m.source == "pretrained" and not m.name_or_path:
@@ -222,10 +212,10 @@ def validate(cfg: DictConfig, cuda_available: bool | None = None) -> None:
     """Check the composed config in one pass; raise ConfigError listing every problem. A local checkpoint's task
     and position limit (model=local) are read into the config first."""
     resolve_local_model(cfg)
+    if unread := unresolved_problems(cfg.model):  # the rest needs the task and the position limit
+        raise ConfigError(unread)
     problems: list[str] = []
     _validate_model(cfg, problems)
-    if cfg.model.task == "auto" or cfg.model.max_positions is None:  # the rest needs them
-        raise ConfigError(problems)
     _validate_lengths(cfg, problems)
     _validate_memory(cfg, problems)
     _validate_trainer(cfg, problems)

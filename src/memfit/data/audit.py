@@ -69,6 +69,7 @@ class LengthAudit:
     label_coverage: float  # share of raw label tokens that training sees
     label_lost_truncate: int = 0  # label tokens over-long samples lose under memory.overlength=truncate
     label_lost_drop: int = 0  # label tokens of the samples memory.overlength=drop removes
+    over_long: int = 0  # samples longer than either max length (what truncate cuts, or drop removes)
     worst_train: list[BatchShape] = field(default_factory=list)  # the candidates a preflight must probe
     worst_eval: BatchShape | None = None
     sampler: str = "random"
@@ -144,9 +145,9 @@ def audit_lengths(
     `label_kept`: the label tokens each sample keeps, where cutting is not per part (a conversation keeps its
     start, so a long prompt can take the assistant tokens after it); else the raw lengths cut to max_label."""
     source_cut = np.minimum(source_raw, max_source)[kept]
-    label_cut = np.minimum(label_raw, max_label)[kept]
-    truncated = np.minimum(label_raw, max_label) if label_kept is None else label_kept
-    label_trained = truncated[kept]
+    labels_cut = np.minimum(label_raw, max_label)
+    label_cut = labels_cut[kept]
+    truncated = labels_cut if label_kept is None else label_kept
     over = (source_raw > max_source) | (label_raw > max_label)
     total_label = label_raw.sum()
     worst_eval = None
@@ -165,9 +166,10 @@ def audit_lengths(
         truncated_source=int(((source_raw > max_source) & kept).sum()),
         truncated_label=int(((label_raw > max_label) & kept).sum()),
         dropped=int((~kept).sum()),
-        label_coverage=float(label_trained.sum() / total_label) if total_label else 1.0,
+        label_coverage=float(truncated[kept].sum() / total_label) if total_label else 1.0,
         label_lost_truncate=int(total_label - truncated.sum()),
         label_lost_drop=int(label_raw[over].sum()),
+        over_long=int(over.sum()),
         worst_train=worst_batches(source_cut, label_cut, batch, task, multiple),
         worst_eval=worst_eval,
         sampler=sampler,

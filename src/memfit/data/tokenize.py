@@ -148,14 +148,13 @@ def apply_overlength(ds: Dataset, spec: TokenizeSpec) -> Dataset:
     return ds if mask.all() else ds.select(np.flatnonzero(mask))
 
 
-def _say_cut_conversations(source: np.ndarray, label: np.ndarray, kept: np.ndarray, spec: TokenizeSpec) -> None:
+def _say_cut_conversations(audit: LengthAudit, spec: TokenizeSpec) -> None:
     """memory.overlength=truncate keeps a long conversation's start: say how many were cut and what they lose."""
-    cut = (source > spec.max_source_length) | (label > spec.max_label_length)
-    if cut.any():
+    if audit.over_long:
         log.warning(
             "%d conversation(s) longer than memory.max_source_length=%d / max_label_length=%d keep their start "
             "(memory.overlength=truncate): %d of their assistant tokens are not trained",
-            int(cut.sum()), spec.max_source_length, spec.max_label_length, int((label - kept)[cut].sum()),
+            audit.over_long, spec.max_source_length, spec.max_label_length, audit.label_lost_truncate,
         )  # fmt: skip
 
 
@@ -212,8 +211,6 @@ def load_and_tokenize(cfg: DictConfig, tokenizer: Any) -> PreparedData:
             " or use memory.overlength=truncate"
         )
     kept_labels = np.asarray(train["label_len_kept"]) if "label_len_kept" in train.column_names else None
-    if kept_labels is not None and spec.overlength == "truncate":
-        _say_cut_conversations(source_raw, label_raw, kept_labels, spec)
     audit = audit_lengths(
         source_raw,
         label_raw,
@@ -228,4 +225,6 @@ def load_and_tokenize(cfg: DictConfig, tokenizer: Any) -> PreparedData:
         eval_lengths=eval_lengths,
         eval_batch=cfg.memory.eval_batch_size or cfg.trainer.batch_size,
     )
+    if spec.style != "pairs" and spec.overlength == "truncate":
+        _say_cut_conversations(audit, spec)
     return PreparedData(DatasetDict(splits), audit, source_raw, label_raw)
