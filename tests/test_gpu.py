@@ -10,6 +10,7 @@ from mlflow.tracking import MlflowClient
 
 from memfit.run import run
 from memfit.tracking import default_tracking_uri
+from tests.memory.test_loss import MODEL_IDS, MODELS, assert_model_loss_equals_its_own
 
 pytestmark = [
     pytest.mark.gpu,
@@ -72,6 +73,20 @@ def test_adamw_on_cuda_is_fused_and_the_run_says_so(compose_cfg):
     assert report.status == "ok" and report.steps == 3
     tags = MlflowClient(default_tracking_uri(cfg.output_dir)).get_run(report.run_id).data.tags
     assert tags["memfit.optimizer"] == "torch.optim.adamw.AdamW (fused)"
+
+
+@pytest.mark.parametrize("overrides", MODELS, ids=MODEL_IDS)
+def test_the_fused_loss_and_its_gradients_equal_the_models_own(compose_cfg, overrides):
+    pytest.importorskip("liger_kernel")
+    tokenizer = [f"model.tokenizer={os.environ['MEMFIT_TOKENIZER']}"] if os.environ.get("MEMFIT_TOKENIZER") else []
+    assert_model_loss_equals_its_own(compose_cfg, (*overrides, *tokenizer), "fused", "cuda")
+
+
+def test_a_run_with_the_fused_loss_trains(compose_cfg):
+    pytest.importorskip("liger_kernel")
+    report = run(compose_cfg(*GPU_RUN, "memory.loss=fused", "memory.precision=bf16"))
+    assert report.status == "ok" and report.steps == 3, report.reason
+    assert report.final_loss == report.final_loss  # finite, not NaN
 
 
 def _weights_on_gpu(cfg) -> tuple[int, object]:

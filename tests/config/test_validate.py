@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 from omegaconf import OmegaConf
 
@@ -128,6 +130,7 @@ BAD = [
         "memory.load_in_4bit=true needs a CUDA GPU",
     ),
     (["memory.optimizer=adamw_8bit", "trainer.device=cpu"], "memory.optimizer=adamw_8bit needs a CUDA GPU"),
+    (["memory.loss=fused", "trainer.device=cpu"], "memory.loss=fused needs a CUDA GPU: use memory.loss=chunked"),
     (["trainer.max_steps=0"], "trainer.max_steps/num_train_epochs give no training"),
     (["data.targets=[summary]"], "data.targets has 'summary'"),
 ]
@@ -139,6 +142,16 @@ def test_bad_values_name_the_field(compose_cfg, overrides, expected):
     with pytest.raises(ConfigError) as err:
         validate(cfg, cuda_available=False)
     assert any(expected in line for line in err.value.problems), err.value.problems
+
+
+@pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is not None, reason="liger-kernel is installed here")
+def test_the_fused_loss_without_liger_kernel_says_how_to_get_it(compose_cfg):
+    cfg = compose_cfg("memory.loss=fused", "trainer.device=auto")
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, cuda_available=True)
+    assert err.value.problems == [
+        "memory.loss=fused needs liger-kernel: pip install 'memfit[gpu]', or use memory.loss=chunked"
+    ]
 
 
 def test_every_problem_is_reported_at_once(compose_cfg):

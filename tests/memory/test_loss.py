@@ -94,24 +94,25 @@ TINY_T5 = (
 )
 
 
-@pytest.mark.parametrize(
-    "overrides",
-    [
-        ("model=tiny_seq2seq",),  # BART: final_logits_bias beside the head
-        TINY_T5,  # T5: tied embeddings, the decoder's output rescaled before the head
-        ("model=tiny_causal",),  # Qwen2 under LoRA: labels shifted, the peft wrapper
-    ],
-    ids=["bart", "t5", "qwen2-lora"],
-)
-def test_a_models_chunked_loss_and_gradients_equal_its_own_loss(compose_cfg, overrides):
+MODELS = [
+    ("model=tiny_seq2seq",),  # BART: final_logits_bias beside the head
+    TINY_T5,  # T5: tied embeddings, the decoder's output rescaled before the head
+    ("model=tiny_causal",),  # Qwen2 under LoRA: labels shifted, the peft wrapper
+]
+MODEL_IDS = ["bart", "t5", "qwen2-lora"]
+
+
+def assert_model_loss_equals_its_own(compose_cfg, overrides: tuple[str, ...], kind: str, device: str) -> None:
+    """memfit.memory.loss.model_loss (`kind`: chunked or fused) equals the model's own loss, and its gradients the
+    model's own, in fp32, over a padded batch of three samples; the head is the model's own again after."""
     from memfit.data import CountingCollator
     from memfit.memory.loss import model_loss
     from memfit.models import build_model, build_tokenizer
     from tests.conftest import FAST
 
-    cfg = compose_cfg(*overrides, *FAST)
+    cfg = compose_cfg(*overrides, *FAST, "memory.precision=fp32")
     tokenizer = build_tokenizer(cfg.model)
-    model = build_model(cfg, tokenizer, "cpu").model.eval()  # eval: no dropout, the two passes see one function
+    model = build_model(cfg, tokenizer, device).model.eval()  # eval: no dropout, the two passes see one function
     collator = CountingCollator(tokenizer, None, cfg.model.task)
     features = []
     for n, (source_words, label_words) in enumerate([(3, 2), (9, 7), (5, 12)]):
@@ -122,17 +123,22 @@ def test_a_models_chunked_loss_and_gradients_equal_its_own_loss(compose_cfg, ove
         else:
             features.append({"input_ids": source, "labels": label})
         features[-1]["attention_mask"] = [1] * len(features[-1]["input_ids"])
-    batch = collator(features)
+    batch = {key: value.to(device) for key, value in collator(features).items()}
     trainable = [p for p in model.parameters() if p.requires_grad]
 
     standard = model(**batch).loss
     expected = torch.autograd.grad(standard, trainable)
-    chunked = model_loss(model, batch, cfg.model.task, chunk=5)
-    got = torch.autograd.grad(chunked, trainable)
-    torch.testing.assert_close(chunked, standard, rtol=1e-5, atol=1e-6)
+    loss = model_loss(model, batch, cfg.model.task, chunk=5, kind=kind)
+    got = torch.autograd.grad(loss, trainable)
+    torch.testing.assert_close(loss, standard, rtol=1e-5, atol=1e-6)
     for want, have in zip(expected, got, strict=True):
         torch.testing.assert_close(have, want, rtol=1e-4, atol=1e-6)
     assert model(**batch).logits.shape[-1] == model.config.vocab_size  # the head is the model's own again
+
+
+@pytest.mark.parametrize("overrides", MODELS, ids=MODEL_IDS)
+def test_a_models_chunked_loss_and_gradients_equal_its_own_loss(compose_cfg, overrides):
+    assert_model_loss_equals_its_own(compose_cfg, overrides, "chunked", "cpu")
 
 
 def test_a_run_with_the_chunked_loss_trains_and_evaluates_as_the_standard_one(compose_cfg):

@@ -23,7 +23,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 FROZEN_DTYPES = ("auto", "fp32", "bf16")
 WEIGHT_DTYPES = ("fp32", "bf16")
 OPTIMIZERS = ("adamw", "adamw_8bit", "adafactor")
-LOSSES = ("standard", "chunked")  # memfit.memory.loss
+LOSSES = ("standard", "chunked", "fused")  # memfit.memory.loss
 DEVICES = ("auto", "cpu", "cuda")
 TRACKING_BACKENDS = ("mlflow", "none")
 CALIBRATION_SETTINGS = ("auto", "true", "false")
@@ -125,7 +125,13 @@ class MemoryConfig:
         cuda_only=("adamw_8bit",),
         on_cpu="use memory.optimizer=adamw or adafactor (bitsandbytes needs CUDA)",
     )
-    loss: str = knob("standard", step=True, applied_by="trainer")
+    loss: str = knob(
+        "standard",
+        step=True,
+        applied_by="trainer",
+        cuda_only=("fused",),
+        on_cpu="use memory.loss=chunked (liger-kernel's fused kernel needs CUDA)",
+    )
     load_in_4bit: bool = knob(
         False, step=True, applied_by="model", cuda_only=(True,), on_cpu="use memory=tight (bitsandbytes needs CUDA)"
     )

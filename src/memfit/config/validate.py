@@ -3,6 +3,7 @@ before anything heavy is imported."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 from typing import Any
@@ -183,6 +184,8 @@ def _validate_device_needs(cfg: DictConfig, problems: list[str], cuda_available:
     on_cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and cuda_available)
     if cfg.trainer.device == "cuda" and not cuda_available:
         problems.append("trainer.device=cuda but no CUDA device is visible: use trainer.device=auto or cpu")
+    if on_cuda and cfg.memory.loss == "fused" and importlib.util.find_spec("liger_kernel") is None:
+        problems.append("memory.loss=fused needs liger-kernel: pip install 'memfit[gpu]', or use memory.loss=chunked")
     if not on_cuda:
         problems += [
             f"memory.{name}={_text(cfg.memory[name])} needs a CUDA GPU: {knob.on_cpu}"

@@ -1,4 +1,5 @@
-"""The loss knob (memory.loss): cross-entropy over a language-model head without the full logits (`chunked`).
+"""The loss knob (memory.loss): cross-entropy over a language-model head without the full logits (`chunked`, and
+`fused`, Liger Kernel's fused linear cross-entropy on CUDA).
 
 A head of vocabulary V over N label positions makes logits of N × V: for pegasus_large (V = 96,103) at batch 4 ×
 1024 labels that is 1.47 GiB in float32, and the standard loss keeps them (or their log-softmax) until the backward
@@ -7,6 +8,11 @@ only each row's log-sum-exp, the backward recomputes one chunk's logits at a tim
 of the hidden states and of the head's weight and bias. The peak then holds one chunk of logits, not N, for one more
 matrix product per chunk. Plain PyTorch, so it runs on every device and every head: a seq2seq decoder's (with T5's
 tied-embedding rescaling applied to the hidden states before), a causal LM's, with label smoothing and -100 labels.
+
+`fused` hands the same captured head (hidden states, weight, bias) to liger-kernel's Triton kernel, which computes
+the loss and the gradients chunk by chunk in the forward pass. Liger patches only decoder-only model classes; memfit
+calls its function on the head directly, so every model memfit builds (Pegasus, BART, T5, Qwen2.5) gets it. CUDA
+only (Triton), from the `gpu` extra.
 """
 
 from __future__ import annotations
@@ -37,7 +43,30 @@ def rows_per_chunk(vocab_size: int) -> int:
     return max(1, CHUNK_BYTES // (4 * vocab_size))
 
 
-LOSSES = ("standard", "chunked")
+LOSSES = ("standard", "chunked", "fused")
+
+
+def fused_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
+    """chunked_cross_entropy's result through liger-kernel's fused linear cross-entropy (CUDA): the head's product in
+    the hidden states' dtype (as the chunked loss runs it), its gradients accumulated in float32."""
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    return liger_fused_linear_cross_entropy(
+        flat_hidden,
+        weight.to(flat_hidden.dtype),
+        labels.reshape(-1),
+        bias=None if bias is None else bias.to(flat_hidden.dtype),
+        ignore_index=IGNORE,
+        label_smoothing=label_smoothing,
+        accum_dtype=torch.float32,
+    ).float()
 
 
 def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -172,11 +201,17 @@ def _head_captured(model: Any) -> Iterator[_Head]:
 
 
 def model_loss(
-    model: Any, batch: dict[str, Any], task: str, label_smoothing: float = 0.0, chunk: int | None = None
+    model: Any,
+    batch: dict[str, Any],
+    task: str,
+    label_smoothing: float = 0.0,
+    chunk: int | None = None,
+    kind: str = "chunked",
 ) -> Any:
-    """The mean loss per label token of a batch (labels -100 left out), computed with the chunked head: the model's
-    own forward up to its head (autocast, checkpointing and LoRA as configured), then chunked_cross_entropy over the
-    hidden states entering it. A causal LM's labels are its inputs shifted by one, as transformers shifts them."""
+    """The mean loss per label token of a batch (labels -100 left out), computed without the full logits: the model's
+    own forward up to its head (autocast, checkpointing and LoRA as configured), then chunked_cross_entropy (or, with
+    `kind` "fused", fused_cross_entropy) over the hidden states entering it. A causal LM's labels are its inputs
+    shifted by one, as transformers shifts them."""
     labels = batch["labels"]
     inputs = {key: value for key, value in batch.items() if key != "labels"}
     if task == "seq2seq" and "decoder_input_ids" not in inputs:
@@ -186,5 +221,7 @@ def model_loss(
     hidden = head.hidden
     if task == "causal":
         hidden, labels = hidden[:, :-1], labels[:, 1:]
+    if kind == "fused":
+        return fused_cross_entropy(hidden, head.weight, labels, head.bias, label_smoothing)
     rows = chunk or rows_per_chunk(head.weight.shape[0])
     return chunked_cross_entropy(hidden, head.weight, labels, head.bias, rows, label_smoothing)

@@ -136,7 +136,7 @@ class _Preserved:
 APPLIED_AS_TRAINER = {
     "precision": "autocast to the policy's precision around forward and loss (_autocast)",
     "optimizer": "the run's own optimizer, built by trainer.create_optimizer (ProbeSetup.make_optimizer)",
-    "loss": "the same loss the Trainer computes (memfit.memory.loss.model_loss where chunked)",
+    "loss": "the same loss the Trainer computes (memfit.memory.loss.model_loss where chunked or fused)",
 }
 
 
@@ -154,7 +154,7 @@ class ProbeSetup:
     accumulation: int = 1  # gradient accumulation: with it, a forward runs while the last micro-batch's grads exist
     generate: bool = False  # evaluation generates (predict_with_generate): probe generation of the full label length
     split_branches: bool = False  # also measure the six windows of _BranchMarker apart (T5 under checkpointing)
-    loss: str = "standard"  # memory.loss: chunked computes head and loss as the Trainer does (memfit.memory.loss)
+    loss: str = "standard"  # memory.loss: chunked/fused compute head and loss as the Trainer does (memfit.memory.loss)
 
 
 class _BranchMarker:
@@ -239,11 +239,11 @@ def _free(device: str) -> None:
 
 
 def _loss(setup: ProbeSetup, batch: dict[str, Any]) -> Any:
-    """The batch's loss as training computes it: the model's own, or the chunked head (memory.loss=chunked)."""
-    if setup.loss == "chunked":
+    """The batch's loss as training computes it: the model's own, or the head without full logits (memory.loss)."""
+    if setup.loss != "standard":
         from memfit.memory.loss import model_loss
 
-        return model_loss(setup.model, batch, setup.task)
+        return model_loss(setup.model, batch, setup.task, kind=setup.loss)
     return setup.model(**batch).loss
 
 

@@ -151,7 +151,7 @@ class _MemfitTraining:
     """
 
     task = "seq2seq"  # set on the class built by build_trainer
-    memory_loss: str = "standard"  # memory.loss: chunked computes head and loss without the full logits
+    memory_loss: str = "standard"  # memory.loss: chunked or fused compute head and loss without the full logits
     token_share: Any = None  # while a micro-batch of a budget-shaped step runs: its share of the step's label tokens
     eval_sums: tuple[Any, Any] = (0.0, 0)  # budget-shaped evaluation: summed loss over label tokens, and the tokens
 
@@ -178,10 +178,11 @@ class _MemfitTraining:
         return loss
 
     def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, **kwargs: Any) -> Any:
-        if self.memory_loss == "chunked":  # head and loss without the full logits (memfit.memory.loss)
+        if self.memory_loss != "standard":  # head and loss without the full logits (memfit.memory.loss)
             from memfit.memory.loss import model_loss
 
-            chunked = model_loss(model, inputs, self.task, self.args.label_smoothing_factor)
+            smoothing = self.args.label_smoothing_factor
+            chunked = model_loss(model, inputs, self.task, smoothing, kind=self.memory_loss)
             result = (chunked, {"loss": chunked}) if return_outputs else chunked
         else:
             result = super().compute_loss(model, inputs, return_outputs=return_outputs, **kwargs)
