@@ -5,8 +5,9 @@
 trial_throughput_gpu.py found steps several times slower than their neighbours, most where a micro-batch had a
 padded shape not seen before. Here each run trains `--steps` steps under the budget's cap in a fresh process, as a
 trial does, and every optimizer step is clocked with the device synchronised at its start and end:
-- `step_s` (on_step_begin → on_step_end), with `forward_backward_s` (every micro-batch's training_step) apart from
-  the rest (clipping, optimizer, scheduler); `between_s`, on_step_end → the next on_step_begin (the Trainer's log,
+- `step_s` (on_step_begin → on_step_end), with `forward_backward_s` (on_step_begin → on_pre_optimizer_step: every
+  micro-batch's forward and backward, and the gradient clipping) apart from the rest (optimizer, scheduler);
+  `between_s`, on_step_end → the next on_step_begin (the Trainer's log,
   the callbacks, loading the next batches);
 - the step's real and padded tokens, micro-batches and new padded shapes (from memfit's collator), allocator
   retries, and `gc_s`, seconds in Python's garbage collector;
@@ -14,8 +15,10 @@ trial does, and every optimizer step is clocked with the device synchronised at 
   host's most expensive operators (`host_top`). Its step times include the profiler's own cost.
 
 Variants (`VARIANTS`): `cudnn`, torch's default, where scaled-dot-product attention takes cuDNN's kernel on an
-H200; `efficient`, `memory.cudnn_attention=false`, torch's memory-efficient kernel instead; `keep_cache`, cudnn
-with the preflight's probes leaving the allocator's cache full for training; `profile`. Each GPU runs its
+H200; `efficient`, `memory.cudnn_attention=false`, torch's memory-efficient kernel instead; `profile`. (A
+`keep_cache` variant, the preflight's probes leaving the allocator's cache full, patched a private function; it
+was dropped in session 18, and its results in benchmarks/README.md stand.) The clock is a TrainerCallback handed
+to `memfit.run.run(cfg, callbacks=...)`. Each GPU runs its
 configurations (`PLAN`) in the order `--order` (ABBA by default), after a 3-step warm-up process: the first
 process on a freshly started machine reads CUDA's libraries from disk, and its steps are slow for that alone.
 """
@@ -44,7 +47,6 @@ VARIANTS = {
     "cudnn": ["memory.cudnn_attention=true"],  # torch's default on an H200: cuDNN's attention where it applies
     "efficient": ["memory.cudnn_attention=false"],  # torch's memory-efficient attention instead
     "profile": ["memory.cudnn_attention=true"],  # cudnn, each step under torch.profiler (its tokens/s is not real)
-    "keep_cache": ["memory.cudnn_attention=true"],  # cudnn, the preflight's probes leave the allocator's cache full
 }
 ORDER = ["cudnn", "efficient", "efficient", "cudnn"]  # ABBA: a drift over the runs does not favour either
 
@@ -65,16 +67,17 @@ class GcClock:
 
 
 class StepClock:
-    """Per optimizer step: synchronised wall seconds and their split, allocator counters, GC seconds."""
+    """Per optimizer step: synchronised wall seconds and their split, allocator counters, GC seconds. A
+    TrainerCallback's hooks (make_callback turns it into one); the collator is the training dataloader's."""
 
-    def __init__(self, collator, profile: bool) -> None:
+    def __init__(self, profile: bool) -> None:
         import torch
 
-        self.torch, self.collator, self.profile = torch, collator, profile
+        self.torch, self.profile = torch, profile
         self.cuda = torch.cuda.is_available()  # a CPU smoke test of this script clocks without synchronising
         self.gc = GcClock()
         self.rows: list[dict] = []
-        self.forward_backward_s = 0.0
+        self.collator = None
         self._ended = None
         self._profiler = None
 
@@ -95,18 +98,8 @@ class StepClock:
         stats = self.torch.cuda.memory_stats() if self.cuda else {}
         return {"alloc_retries": stats.get("num_alloc_retries", 0), "gc_s": self.gc.seconds}
 
-    def timed_training_step(self, step):
-        def wrapped(*args, **kwargs):
-            self._sync()
-            began = time.perf_counter()
-            try:
-                return step(*args, **kwargs)
-            finally:
-                self._sync()
-                self.forward_backward_s += time.perf_counter() - began
-                self.shapes.append([list(v) for v in self.collator.last_shape.values()])
-
-        return wrapped
+    def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs) -> None:
+        self.collator = train_dataloader.collate_fn  # memfit's CountingCollator, as the Trainer was given it
 
     def on_step_begin(self, args, state, control, **kwargs) -> None:
         self._sync()
@@ -120,6 +113,14 @@ class StepClock:
 
             self._profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
             self._profiler.__enter__()
+
+    def on_substep_end(self, args, state, control, **kwargs) -> None:
+        self.shapes.append([list(v) for v in self.collator.last_shape.values()])
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs) -> None:
+        self.on_substep_end(args, state, control)  # the step's last micro-batch
+        self._sync()
+        self.forward_backward_s = time.perf_counter() - self._began
 
     def on_step_end(self, args, state, control, **kwargs) -> None:
         self._sync()
@@ -145,6 +146,18 @@ class StepClock:
         self._ended = time.perf_counter()  # after the profile's own processing, which is not the Trainer's
 
 
+def make_callback(clock: StepClock):
+    """A transformers TrainerCallback whose hooks are the clock's."""
+    from transformers import TrainerCallback
+
+    hooks = ("on_train_begin", "on_step_begin", "on_substep_end", "on_pre_optimizer_step", "on_step_end")
+    return type("StepClockCallback", (TrainerCallback,), {name: _forward(clock, name) for name in hooks})()
+
+
+def _forward(clock: StepClock, name: str):
+    return lambda self, *args, **kwargs: getattr(clock, name)(*args, **kwargs)
+
+
 def profile_summary(profiler) -> dict:
     events = profiler.key_averages()
     kernel_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
@@ -157,8 +170,7 @@ def profile_summary(profiler) -> dict:
 
 def one(args: argparse.Namespace) -> None:
     """One configuration, one variant, in this process (a fresh one per run, as a trial is)."""
-    import memfit.run as run
-    import memfit.training.trainer as training
+    from memfit.run import run
 
     batch, source, label = args.config
     data, _ = make_data(Path(args.work))
@@ -175,25 +187,9 @@ def one(args: argparse.Namespace) -> None:
             f"output_dir={args.work}/outputs-{name}",
         ]
     )
-    if args.variant == "keep_cache":  # training starts with the worst case's memory still reserved
-        import memfit.memory.probe as probe
-
-        probe._free = lambda device: gc.collect()
-    clocks: list[StepClock] = []
-    build = training.build_trainer
-
-    def build_clocked(task, model, tokenizer, datasets, targs, collator, callbacks):
-        clock = StepClock(collator, profile=args.variant == "profile")
-        callback = type("StepClockCallback", (training._trainer_callback_base(),), {})()
-        callback.on_step_begin, callback.on_step_end = clock.on_step_begin, clock.on_step_end
-        trainer = build(task, model, tokenizer, datasets, targs, collator, [*callbacks, callback])
-        trainer.training_step = clock.timed_training_step(trainer.training_step)
-        clocks.append(clock)
-        return trainer
-
-    training.build_trainer = build_clocked  # prepare_training imports it from memfit.training.trainer when it runs
+    clock = StepClock(profile=args.variant == "profile")
     started = time.perf_counter()
-    report = run.run(cfg).to_dict()
+    report = run(cfg, callbacks=[make_callback(clock)]).to_dict()
     keep = ("status", "reason", "tokens_per_s", "epoch_tokens_per_s", "worst_case_peak_gib")
     keep += ("peak_allocated_gib", "peak_reserved_gib", "predicted_peak_gib", "worst_case_shape")
     result = {
@@ -203,7 +199,7 @@ def one(args: argparse.Namespace) -> None:
         "variant": args.variant,
         **{key: report.get(key) for key in keep},
         "wall_s": time.perf_counter() - started,
-        "steps": clocks[0].rows if clocks else [],
+        "steps": clock.rows,
     }
     Path(args.json).write_text(json.dumps(result))
 

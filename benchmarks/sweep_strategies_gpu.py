@@ -7,9 +7,10 @@
 
 measure (GPU). Every configuration of the space runs once through memfit's own trial code (`memfit.run.run`: length
     audit, worst-case preflight, a timed training segment) in one process per model, without a cap, on a long-tail
-    data set (ACLSum pairs, a few with a rare long label). The model is built once and tokenization is cached per
-    length pair; the seconds both took are measured once and charged to every trial, as a fresh trial process pays
-    them. Recorded per configuration: the preflight's worst-case peak, the peak the training segment itself
+    data set (ACLSum pairs, a few with a rare long label). Each phase's seconds come from the run's report; the
+    model's build and the tokenization are measured once and charged to every trial, as a fresh trial process pays
+    them (tables before session 18 built the model once and cached tokenization by patching memfit's functions).
+    Recorded per configuration: the preflight's worst-case peak, the peak the training segment itself
     reached (what a sweeper without a preflight sees), tokens/s after the first step, the epoch's tokens/s estimated
     from the segment (the budget recipe's objective), label coverage, and the seconds of each phase. --batches
     measures part of the space, so that one model's table can be split over several GPUs (replay merges them).
@@ -99,55 +100,34 @@ def make_data(work: Path) -> tuple[Path, dict]:
 
 
 # --- measure ------------------------------------------------------------------------------------------------------
-class Instrumented:
-    """memfit's run, with the model built once, tokenization cached, and each phase timed."""
+class SegmentPeak:
+    """The training segment's own peak reserved memory, what a sweeper without a preflight sees: read at each step's
+    end, inside the window memfit's meter opened for that step (a callback handed to memfit.run.run)."""
 
     def __init__(self) -> None:
-        import memfit.data.tokenize as data
-        import memfit.models as models
-        import memfit.run.flow as run
+        self.reserved = 0
 
-        self.built = None
-        self.build_s = 0.0
+    def callback(self):
+        import torch
+        from transformers import TrainerCallback
+
+        peak = self
+
+        class ReadPeak(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs) -> None:
+                if torch.cuda.is_available():
+                    peak.reserved = max(peak.reserved, torch.cuda.max_memory_reserved())
+
+        return ReadPeak()
+
+
+class Measured:
+    """memfit's run, each phase's seconds read from its report (`RunReport.phase_seconds`). The model's build and
+    the tokenization, which a trial process pays once, are taken out of `run_s` and charged apart (the table's
+    startup_s and tokenize_s, the first time a length pair is tokenized)."""
+
+    def __init__(self) -> None:
         self.tokenize_s: dict[str, float] = {}
-        self.phase_s: dict[str, float] = {}
-        build, tokenize, preflight, train = models.build_model, data.tokenize_split, run.run_preflight, run.train
-        cache: dict[tuple, object] = {}
-
-        def built_once(cfg, tokenizer, device):
-            if self.built is None:
-                started = time.perf_counter()
-                self.built = build(cfg, tokenizer, device)
-                self.build_s = time.perf_counter() - started
-            return self.built
-
-        def tokenize_cached(pairs, tokenizer, spec):
-            key = (len(pairs), spec.task, spec.max_source_length, spec.max_label_length, spec.overlength)
-            if key not in cache:
-                started = time.perf_counter()
-                cache[key] = tokenize(pairs, tokenizer, spec)
-                self.tokenize_s[f"{spec.max_source_length}/{spec.max_label_length}"] = time.perf_counter() - started
-            return cache[key]
-
-        def timed_preflight(ctx, setup):
-            started = time.perf_counter()
-            try:
-                return preflight(ctx, setup)
-            finally:
-                self.phase_s["preflight_s"] = time.perf_counter() - started
-
-        def timed_train(ctx, setup):
-            from memfit.memory.meter import MemoryPeak
-
-            ctx.meter.overall = MemoryPeak(0, 0)  # the segment's own peak, as a sweeper without preflight sees it
-            started = time.perf_counter()
-            try:
-                return train(ctx, setup)
-            finally:
-                self.phase_s["segment_s"] = time.perf_counter() - started
-
-        models.build_model, data.tokenize_split = built_once, tokenize_cached
-        run.run_preflight, run.train = timed_preflight, timed_train
 
     def run(self, cfg) -> dict:
         import gc
@@ -156,16 +136,26 @@ class Instrumented:
 
         from memfit.run import run
 
-        self.phase_s = {"preflight_s": 0.0, "segment_s": 0.0}
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+        peak = SegmentPeak()
         started = time.perf_counter()
         try:
-            report = run(cfg).to_dict()
+            report = run(cfg, callbacks=[peak.callback()]).to_dict()
         except Exception as err:  # noqa: BLE001 - a crash is a result here
             report = {"status": "failed", "reason": f"{type(err).__name__}: {str(err)[:300]}"}
-        return {"report": report, "run_s": time.perf_counter() - started, **self.phase_s}
+        wall = time.perf_counter() - started
+        phases = report.get("phase_seconds") or {}
+        lengths = f"{cfg.memory.max_source_length}/{cfg.memory.max_label_length}"
+        self.tokenize_s.setdefault(lengths, phases.get("data", 0.0))
+        return {
+            "report": report,
+            "run_s": wall - phases.get("model", 0.0) - phases.get("data", 0.0),
+            "preflight_s": phases.get("preflight", 0.0),
+            "segment_s": phases.get("train", 0.0),
+            "segment_peak_reserved_gib": peak.reserved / 2**30 if peak.reserved else None,
+        }
 
 
 def measure(args: argparse.Namespace) -> None:
@@ -183,7 +173,7 @@ def measure(args: argparse.Namespace) -> None:
         "budget.gib=null",
     ]
     common += [f"output_dir={work / 'outputs'}", f"trainer.device={args.device}"]
-    runner = Instrumented()
+    runner = Measured()
     out = Path(args.out)
     table = {
         "model": args.model,
@@ -198,9 +188,10 @@ def measure(args: argparse.Namespace) -> None:
     from memfit.models import build_model, build_tokenizer
 
     first = compose([*common, *config_overrides(space["batch"][0], space["source"][0], space["label"][0])])
-    build_model(first, build_tokenizer(first.model), args.device)  # built once: what every trial process pays
+    built = time.perf_counter()
+    build_model(first, build_tokenizer(first.model), args.device)  # what every trial process pays once
     table["startup_s"] = time.perf_counter() - PROCESS_START  # imports, CUDA init, tokenizer, model build
-    table["model_build_s"] = runner.build_s
+    table["model_build_s"] = time.perf_counter() - built
     configs = [(b, s, lab) for b in space["batch"] for s in space["source"] for lab in space["label"]]
     for batch, source, label in configs:
         cfg = compose([*common, *config_overrides(batch, source, label)])
@@ -238,7 +229,11 @@ def row_view(table: dict, row: dict, objective: str = "tokens_per_s") -> dict:
         "key": (row["batch"], row["source"], row["label"]),
         "report": report,
         "worst_gib": report.get("worst_case_peak_gib") or math.inf,
-        "segment_gib": seg_report.get("peak_reserved_gib") if seg_report.get("status") == "ok" else math.inf,
+        # the segment's own peak: a callback's reading, or (tables before session 18) the report's, whose meter
+        # was reset at the segment's start
+        "segment_gib": (segment.get("segment_peak_reserved_gib") or seg_report.get("peak_reserved_gib"))
+        if seg_report.get("status") == "ok"
+        else math.inf,
         "tokens_per_s": seg_report.get(objective) or 0.0,
         "coverage": report.get("label_coverage") or 0.0,
         # memfit: a trial that does not fit stops after its preflight

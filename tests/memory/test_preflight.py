@@ -29,9 +29,7 @@ def _setup(cfg):
         return optimizers[-1]
 
     collator = CountingCollator(tokenizer, 8, cfg.model.task)
-    setup = ProbeSetup(
-        built.model, make_optimizer, collator.inner, HostMeter(), "cpu", cfg.model.task, "fp32", len(tokenizer)
-    )
+    setup = ProbeSetup(built.model, make_optimizer, collator.inner, HostMeter(), "cpu", cfg.model.task, len(tokenizer))
     return setup, optimizers
 
 

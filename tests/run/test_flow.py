@@ -23,9 +23,19 @@ def _runs(output_dir):
 
 @pytest.mark.parametrize("model", ["tiny_seq2seq", "tiny_causal"])
 def test_tiny_run_records_loss_beside_peak_memory(compose_cfg, tmp_path, model):
+    from transformers import TrainerCallback
+
+    class StepCounter(TrainerCallback):  # a caller's callback (a benchmark's clock) sees every step
+        steps: list[int] = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.steps.append(state.global_step)
+
     cfg = compose_cfg(f"model={model}", *FAST)
-    report = run(cfg)
+    counter = StepCounter()
+    report = run(cfg, callbacks=[counter])
     assert report.status == "ok" and report.steps == 3
+    assert counter.steps == [1, 2, 3]
     client, runs = _runs(cfg.output_dir)
     assert len(runs) == 1
     recorded = runs[0]

@@ -43,8 +43,9 @@ from memfit.memory.state import ModelStateBytes
 
 log = logging.getLogger(__name__)
 
-FORMAT = 8  # bump when what a calibration file holds or how it is fitted changes: old files are then not reused
-# 7: probe batches carry a padding mask (preflight.make_batch), which holds more memory than none
+FORMAT = 9  # bump when what a calibration file holds or how it is fitted changes: old files are then not reused
+# 7: probe batches carry a padding mask (preflight.make_batch), which holds more memory than none; 8: fused AdamW
+# on CUDA; 9: the probe runs the forward as accelerate wraps it for training (16-bit outputs copied to float32)
 # the memory knobs that change what a step holds for a given shape (their Knob.step; lengths and padding do not)
 POLICY_KNOBS = tuple(name for name, knob in memory_knobs().items() if knob.step)
 

@@ -95,15 +95,6 @@ def _collate(shape: BatchShape, collator: Any, task: str, vocab_size: int, short
     return collator(features)
 
 
-def _autocast(device: str, precision: str) -> contextlib.AbstractContextManager:
-    import torch
-
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return torch.autocast(device_type="cuda" if device == "cuda" else "cpu", dtype=dtype)
-
-
 class _Preserved:
     """Trainable weights and RNG state copied to the host before probing, restored bit for bit after."""
 
@@ -130,14 +121,19 @@ class _Preserved:
         self.model.train(self.training)
 
 
-# The step knobs Trainer applies (Knob.applied_by "trainer", Knob.step), and how a probe applies each as Trainer
-# does. A new such knob must be added here and applied in `probe`, or the preflight would not measure it (a test
-# compares this with the schema).
+# The step knobs Trainer applies (Knob.applied_by "trainer", Knob.step), and the Trainer's own piece through which
+# the probe applies each (memfit.run.worst_case.probe_setup builds them from the run's Trainer), so that nothing is
+# written twice. A new such knob must reach the probe through one of them, or the preflight would not measure it
+# (a test compares this with the schema).
 APPLIED_AS_TRAINER = {
-    "precision": "autocast to the policy's precision around forward and loss (_autocast)",
+    "precision": "the Trainer's accelerator wraps the model's forward (ProbeSetup.forward_as_trained)",
     "optimizer": "the run's own optimizer, built by trainer.create_optimizer (ProbeSetup.make_optimizer)",
-    "loss": "the same loss the Trainer computes (memfit.memory.loss.model_loss where chunked or fused)",
+    "loss": "the Trainer's own compute_loss (ProbeSetup.compute_loss), memory.loss included",
 }
+
+
+def _own_loss(model: Any, batch: dict[str, Any]) -> Any:
+    return model(**batch).loss
 
 
 @dataclass
@@ -148,13 +144,15 @@ class ProbeSetup:
     meter: Any
     device: str
     task: str
-    precision: str
     vocab_size: int
     steps: int = 2
     accumulation: int = 1  # gradient accumulation: with it, a forward runs while the last micro-batch's grads exist
     generate: bool = False  # evaluation generates (predict_with_generate): probe generation of the full label length
     split_branches: bool = False  # also measure the six windows of _BranchMarker apart (T5 under checkpointing)
-    loss: str = "standard"  # memory.loss: chunked/fused compute head and loss as the Trainer does (memfit.memory.loss)
+    # the model's forward as training runs it (mixed precision), for the probe's duration; nothing in fp32
+    forward_as_trained: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    # (model, batch) -> the loss training computes (the Trainer's compute_loss); the model's own loss by default
+    compute_loss: Callable[[Any, dict[str, Any]], Any] = _own_loss
 
 
 class _BranchMarker:
@@ -238,15 +236,6 @@ def _free(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def _loss(setup: ProbeSetup, batch: dict[str, Any]) -> Any:
-    """The batch's loss as training computes it: the model's own, or the head without full logits (memory.loss)."""
-    if setup.loss != "standard":
-        from memfit.memory.loss import model_loss
-
-        return model_loss(setup.model, batch, setup.task, kind=setup.loss)
-    return setup.model(**batch).loss
-
-
 def _train_steps(setup: ProbeSetup, shape: BatchShape, batch: dict[str, Any], optimizer: Any, marker: Any) -> Probe:
     """`setup.steps` optimizer steps on the batch, each over two micro-batches when training accumulates gradients
     (so a forward runs while gradients are held); the forward + backward peak and the optimizer step's apart."""
@@ -257,8 +246,7 @@ def _train_steps(setup: ProbeSetup, shape: BatchShape, batch: dict[str, Any], op
         began = time.perf_counter()
         setup.meter.reset_window()
         for _ in range(min(setup.accumulation, 2)):  # the second micro-batch runs on top of held grads
-            with _autocast(setup.device, setup.precision):
-                loss = _loss(setup, batch)
+            loss = setup.compute_loss(setup.model, batch)
             if marker is not None:
                 marker.forward_done()
             loss.backward()
@@ -296,7 +284,7 @@ def _eval_forward(setup: ProbeSetup, shape: BatchShape, static: int) -> Probe:
     setup.model.eval()
     setup.meter.reset_window()
     start = time.perf_counter()
-    with torch.no_grad(), _autocast(setup.device, setup.precision):
+    with torch.no_grad():
         setup.model(**batch)
         if setup.generate:
             setup.model.generate(
@@ -325,12 +313,13 @@ def probe(setup: ProbeSetup, shape: BatchShape, eval_shape: BatchShape | None = 
         setup.model.train()
         optimizer = setup.make_optimizer()
         marker = _BranchMarker(setup.model, setup.meter) if setup.split_branches else None
-        results.append(_train_steps(setup, shape, batch, optimizer, marker))
-        marker = None  # closed by _train_steps
-        del batch
-        if eval_shape is not None:
-            phase, current = "eval", eval_shape
-            results.append(_eval_forward(setup, eval_shape, results[0].static_bytes))
+        with setup.forward_as_trained():
+            results.append(_train_steps(setup, shape, batch, optimizer, marker))
+            marker = None  # closed by _train_steps
+            del batch
+            if eval_shape is not None:
+                phase, current = "eval", eval_shape
+                results.append(_eval_forward(setup, eval_shape, results[0].static_bytes))
     except torch.OutOfMemoryError as err:
         in_use = setup.meter.current_bytes()
         results.append(Probe(current, phase, None, attempted_bytes=_attempted_bytes(err, in_use)))

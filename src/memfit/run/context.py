@@ -52,6 +52,7 @@ class RunContext:
     tracker: Any  # MlflowTracker | NullTracker (memfit.tracking)
     resume: ResumePoint
     clock: StartupClock = field(default_factory=StartupClock)
+    callbacks: tuple[Any, ...] = ()  # the caller's TrainerCallbacks, after memfit's own (memfit.run.run)
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import tempfile
+from collections.abc import Sequence
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -140,9 +142,11 @@ def _ended_by(err: BaseException) -> tuple[str, str]:
     return status, f"{status}: {type(err).__name__}: {first_line}"
 
 
-def run(cfg: DictConfig) -> RunReport:
-    """Validate and load data (bad input raises before any model load or record), then audit, preflight, train."""
+def run(cfg: DictConfig, callbacks: Sequence[Any] = ()) -> RunReport:
+    """Validate and load data (bad input raises before any model load or record), then audit, preflight, train.
+    `callbacks`: more transformers TrainerCallbacks for the run's Trainer, after memfit's own (a benchmark's clock)."""
     ctx = _start(cfg, StartupClock())
+    ctx.callbacks = tuple(callbacks)
     try:
         _record_start(ctx)
         report, worst = _phases(ctx)

@@ -41,7 +41,7 @@ def prepare_training(ctx: RunContext) -> TrainingSetup:
     )
     collator = CountingCollator(ctx.tokenizer, cfg.memory.pad_to_multiple_of, cfg.model.task)
     callback = make_callback(ctx.meter, ctx.tracker, collator, cfg.trainer.max_train_tokens)
-    callbacks = [callback, *faults.callbacks_for(run_name(cfg))]
+    callbacks = [callback, *faults.callbacks_for(run_name(cfg)), *ctx.callbacks]
     ready = {split: model_columns(ds) for split, ds in ctx.prepared.datasets.items()}
     args = training_arguments(cfg, ctx.device, str(checkpoint_dir(cfg)), has_eval="validation" in ready)
     trainer = build_trainer(

@@ -16,8 +16,12 @@ log = logging.getLogger("memfit")
 
 
 def probe_setup(ctx: RunContext, setup: TrainingSetup) -> Any:
-    """How the preflight and the calibration probe: the run's model, its real optimizer, its collator."""
+    """How the preflight and the calibration probe: the run's model, and the Trainer's own optimizer, loss and
+    mixed-precision forward, its collator."""
+    import functools
+
     from memfit.memory.probe import ProbeSetup
+    from memfit.training.trainer import forward_as_trained
 
     cfg, trainer, built = ctx.cfg, setup.trainer, setup.built
 
@@ -35,12 +39,12 @@ def probe_setup(ctx: RunContext, setup: TrainingSetup) -> Any:
         meter=ctx.meter,
         device=ctx.device,
         task=cfg.model.task,
-        precision=cfg.memory.precision,
         vocab_size=min(model_vocab, len(built.tokenizer)),
         steps=cfg.preflight.steps,
         accumulation=2 if step_accumulates(cfg) else 1,  # the probe runs a second micro-batch on held gradients
         generate=cfg.trainer.predict_with_generate,
-        loss=cfg.memory.loss,
+        forward_as_trained=functools.partial(forward_as_trained, trainer),
+        compute_loss=trainer.compute_loss,
     )
 
 

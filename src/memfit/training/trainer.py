@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -281,3 +283,29 @@ def train(trainer: Any, collator: CountingCollator, resume_from: str | None = No
         final_loss=losses[-1] if losses else None,
         eval_loss=_final_eval_loss(trainer, result.global_step),
     )
+
+
+@contextlib.contextmanager
+def forward_as_trained(trainer: Any) -> Iterator[None]:
+    """The model's forward as the Trainer will run it, for the length of the block: accelerate's prepare_model
+    (called when training starts) wraps it in the accelerator's autocast and converts its outputs to float32 (a
+    float32 copy of 16-bit logits, held beside them). The preflight's probe runs before training, so it wraps the
+    forward the same way here and puts the model's own back after. Nothing changes where the accelerator runs no
+    mixed precision."""
+    accelerator, model = trainer.accelerator, trainer.model
+    if not accelerator.native_amp:
+        yield
+        return
+    from accelerate.utils import convert_outputs_to_fp32
+
+    own = model.forward
+
+    def autocast_forward(*args: Any, **kwargs: Any) -> Any:
+        with accelerator.autocast():
+            return own(*args, **kwargs)
+
+    model.forward = convert_outputs_to_fp32(autocast_forward)
+    try:
+        yield
+    finally:
+        del model.forward  # the class's forward again

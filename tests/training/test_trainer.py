@@ -1,0 +1,57 @@
+"""The Trainer memfit builds: the preflight's probe runs the model's forward as training will."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import FAST
+
+
+def _dtypes_seen(model) -> tuple[list[torch.dtype], object]:
+    """The output dtype of the model's first Linear layer at every forward, and the hook's handle."""
+    seen: list[torch.dtype] = []
+    layer = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+    handle = layer.register_forward_hook(lambda module, args, output: seen.append(output.dtype))
+    return seen, handle
+
+
+@pytest.mark.parametrize(
+    ("model", "precision"), [("tiny_seq2seq", "bf16"), ("tiny_causal", "bf16"), ("tiny_seq2seq", "fp32")]
+)
+def test_the_probes_forward_is_the_one_training_runs(compose_cfg, tmp_path, model, precision):
+    """Training runs the forward that accelerate's prepare_model makes: under the accelerator's autocast, its outputs
+    converted to float32 (Qwen's head returns bf16 logits under autocast: training holds a float32 copy too).
+    forward_as_trained gives the probe that same forward before training starts (layers in bf16, logits in float32
+    under bf16; nothing changed in fp32) and gives the model its own back after."""
+    from memfit.data import CountingCollator, load_and_tokenize, model_columns
+    from memfit.data.audit import BatchShape
+    from memfit.memory.policy import training_arguments
+    from memfit.memory.probe import make_batch
+    from memfit.models import build_model, build_tokenizer
+    from memfit.training.trainer import build_trainer, forward_as_trained
+
+    cfg = compose_cfg(f"model={model}", *FAST, f"memory.precision={precision}", "trainer.max_steps=1")
+    task = cfg.model.task
+    tokenizer = build_tokenizer(cfg.model)
+    net = build_model(cfg, tokenizer, "cpu").model
+    datasets = {k: model_columns(v) for k, v in load_and_tokenize(cfg, tokenizer).datasets.items()}
+    collator = CountingCollator(tokenizer, cfg.memory.pad_to_multiple_of, task)
+    args = training_arguments(cfg, "cpu", str(tmp_path), has_eval=False)
+    trainer = build_trainer(task, net, tokenizer, datasets, args, collator, [])
+    batch = make_batch(BatchShape(2, 16, 8), collator.inner, task, len(tokenizer), "cpu")
+    seen, handle = _dtypes_seen(net)
+
+    with forward_as_trained(trainer):
+        probed = net(**batch)
+    assert "forward" not in vars(net)  # the class's own forward again
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        autocast_only = net(**batch)  # what the probe ran before: autocast around the forward, no float32 copy
+    trainer.train()  # one step: the forward accelerate prepared
+    handle.remove()
+
+    half = torch.bfloat16 if precision == "bf16" else torch.float32
+    assert seen == [half, half, half]  # probe, autocast alone, training
+    assert probed.logits.dtype == torch.float32
+    if task == "causal":  # BART adds its float32 final_logits_bias: its logits are float32 either way
+        assert autocast_only.logits.dtype == half
