@@ -288,7 +288,27 @@ def test_the_largest_batch_search_stops_at_the_training_samples_and_says_so(comp
     with caplog.at_level("INFO", logger="memfit"):
         report = run(cfg)
     assert report.max_batch == 6  # 4, then 8 is past the 6 samples: 6 itself is tried, not left at 4
+    assert "largest-batch search from the configured batch, doubling: probed batches 2, 4, 6\n" in caplog.text
     assert "largest batch that fits the worst case: >= 6 (all 6 training samples in one batch" in caplog.text
+
+
+def test_with_a_memory_model_the_largest_batch_search_starts_from_its_prediction(compose_cfg, caplog, tmp_path):
+    """Where a calibration exists, the search's first probe is the memory model's predicted largest batch: here
+    every batch fits and the prediction is the cap, six samples, so one probe answers what doubling from the
+    configured batch 2 took three probes for (2, 4, 6)."""
+    cfg = compose_cfg(
+        "model=tiny_seq2seq",
+        *FAST,
+        "data.max_train_samples=6",
+        "preflight_only=true",
+        "tracking=none",
+        "calibration.enabled=true",
+        f"calibration.cache_dir={tmp_path}",
+    )
+    with caplog.at_level("INFO", logger="memfit"):
+        report = run(cfg)
+    assert report.max_batch == 6
+    assert "largest-batch search from the memory model's prediction, 6: probed batches 6\n" in caplog.text
 
 
 def test_the_largest_batch_search_stops_before_a_probe_past_its_time_bound_and_says_which(compose_cfg, caplog):

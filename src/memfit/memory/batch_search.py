@@ -1,5 +1,7 @@
-"""The largest batch whose worst case fits (preflight_only, preflight.find_max_batch): doubling then bisection on
-the worst shape, with a bound on the time it may take (on CPU a probe of hundreds of rows takes minutes)."""
+"""The largest batch whose worst case fits (preflight_only, preflight.find_max_batch): steps out from a first batch
+then bisection, on the worst shape, with a bound on the time it may take (on CPU a probe of hundreds of rows takes
+minutes). The first batch is the memory model's predicted largest where a calibration exists: a good prediction
+then costs a few probes near the boundary. Without one, the search doubles from the configured batch."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ class BatchSearch:
     largest: int | None
     untried: int | None = None  # the next batch it would have probed
     untried_seconds: float = 0.0  # what that probe was expected to take
+    probed: list[int] = field(default_factory=list)  # the batches it probed, in order
 
 
 class _OutOfTime(Exception):
@@ -58,6 +61,7 @@ class _BatchProbes:
             raise _OutOfTime
         if self.on_probe is not None:
             self.on_probe(batch)
+        self.search.probed.append(batch)
         began = time.perf_counter()
         probes = probe(self.setup, BatchShape(batch, self.shape.source, self.shape.label))
         self.seconds[batch] = time.perf_counter() - began
@@ -65,22 +69,33 @@ class _BatchProbes:
         return fits(probes, self.limit)
 
 
-def _double_then_bisect(batch_fits: Callable[[int], bool], first: int, upper: int, found: BatchSearch) -> None:
-    """Doubling from `first` up to `upper`, then bisection below the first batch that does not fit; the largest
-    that fits so far is kept in `found` as it goes (a time bound may stop the search at any probe)."""
-    good, bad, batch = 0, None, first
-    while batch <= upper:
-        if not batch_fits(batch):
-            bad = batch
-            break
-        good = found.largest = batch
-        batch *= 2
-    if bad is None and 0 < good < upper:  # doubling stepped past the cap: the cap itself is the last to try
-        if batch_fits(upper):
-            found.largest = upper
+def search_largest(batch_fits: Callable[[int], bool], first: int, upper: int, step: int, found: BatchSearch) -> None:
+    """The largest batch in [1, `upper`] for which `batch_fits` holds (it holds for every batch below one that does):
+    `first`, then steps of `step`, each twice the last, up while batches fit or down until one does, then bisection
+    between the last fit and the first failure. With `step` = `first` the steps up are doubling. The largest that
+    fits so far is kept in `found` as it goes (a time bound may stop the search at any probe)."""
+    first = max(1, min(first, upper))
+    if batch_fits(first):
+        good = found.largest = first
+        bad = None
+        while good < upper and bad is None:
+            batch = min(good + step, upper)
+            if batch_fits(batch):
+                good = found.largest = batch
+                step *= 2
+            else:
+                bad = batch
+        if bad is None:
             return
-        bad = upper
-    while bad is not None and bad - good > 1:  # bisect between the last fit (or nothing) and the first failure
+    else:
+        good, bad = 0, first
+        while good == 0 and bad > 1 and step < first:  # steps down, where the first batch was a prediction
+            batch = max(bad - step, 1)
+            if batch_fits(batch):
+                good = found.largest = batch
+            else:
+                bad, step = batch, step * 2
+    while bad - good > 1:  # bisect between the last fit (or nothing) and the first failure
         middle = (good + bad) // 2
         if batch_fits(middle):
             good = found.largest = middle
@@ -96,10 +111,12 @@ def find_max_batch(
     on_probe: Callable[[int], None] | None = None,
     measured: dict[int, Probe] | None = None,
     max_seconds: float | None = None,
+    predicted: int | None = None,
 ) -> BatchSearch:
-    """The largest batch whose worst case fits: doubling from the shape's batch, then bisection below the first
-    that does not fit (down to 1), always on the worst shape. `on_probe` is told each batch size before it is
-    probed (the progress bar); `measured` collects each batch's train probe.
+    """The largest batch whose worst case fits, always on the worst shape: from the memory model's `predicted`
+    largest batch in steps of an eighth of it, or doubling from the shape's batch without a prediction, then
+    bisection (search_largest). `on_probe` is told each batch size before it is probed (the progress bar);
+    `measured` collects each batch's train probe.
 
     A batch that the last fitting probe, scaled linearly in batch size, puts well over the limit is taken as not
     fitting without being run: on CPU nothing caps the allocator, so such a probe could take the whole host down.
@@ -108,6 +125,10 @@ def find_max_batch(
     """
     found = BatchSearch(None)
     probes = _BatchProbes(setup, shape, limit, on_probe, {} if measured is None else measured, max_seconds, found)
+    if predicted:
+        first, step = predicted, max(1, predicted // 8)
+    else:
+        first = step = max(1, shape.batch)
     with contextlib.suppress(_OutOfTime):
-        _double_then_bisect(probes.fits, max(1, shape.batch), upper, found)
+        search_largest(probes.fits, first, upper, step, found)
     return found

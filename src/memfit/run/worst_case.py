@@ -173,10 +173,11 @@ def _probe_worst(ctx: RunContext, probes: Any) -> list[Any]:
     return measured
 
 
-def _max_batch(ctx: RunContext, probes: Any, report: Any) -> tuple[int | None, str | None]:
+def _max_batch(ctx: RunContext, probes: Any, report: Any, calibration: Any) -> tuple[int | None, str | None]:
     """The largest batch whose worst case fits, searched up to preflight.max_batch_limit or the number of training
-    samples (a larger batch would repeat samples), whether or not the configured batch fits; and, where the search
-    reached that cap, what the cap was, or where not even batch 1 fits, what it needs."""
+    samples (a larger batch would repeat samples), whether or not the configured batch fits, from the memory
+    model's prediction where there is one; and, where the search reached that cap, what the cap was, or where not
+    even batch 1 fits, what it needs."""
     from memfit.memory.batch_search import find_max_batch
     from memfit.progress import progress_bar
 
@@ -185,6 +186,9 @@ def _max_batch(ctx: RunContext, probes: Any, report: Any) -> tuple[int | None, s
     upper = min(ctx.cfg.preflight.max_batch_limit, samples)
     measured: dict[int, Any] = {}
     bound = ctx.cfg.preflight.max_search_seconds
+    predicted = None
+    if calibration is not None:
+        predicted = max(1, calibration.largest_batch(worst_shape.source, worst_shape.label, report.limit_bytes, upper))
     with progress_bar("max batch search", None) as show:
         search = find_max_batch(
             probes,
@@ -194,8 +198,11 @@ def _max_batch(ctx: RunContext, probes: Any, report: Any) -> tuple[int | None, s
             on_probe=lambda batch: show(advance=1, note=f"probing batch {batch}"),
             measured=measured,
             max_seconds=bound,
+            predicted=predicted,
         )
         show(note=f"largest fitting batch {search.largest}")
+    start = f"the memory model's prediction, {predicted}" if predicted else "the configured batch, doubling"
+    log.info("largest-batch search from %s: probed batches %s", start, ", ".join(map(str, search.probed)))
     largest = search.largest
     if largest is None and 1 in measured:
         needed, exact = report.needed_bytes(measured[1])
@@ -263,7 +270,7 @@ def run_preflight(ctx: RunContext, setup: TrainingSetup) -> WorstCase:
     train_probes = [p for p in measured if p.phase == "train"]
     predicted = _log_prediction(ctx, calibration, max(train_probes, key=lambda p: (p.oom, p.judged_bytes)))
     if cfg.preflight.find_max_batch or cfg.preflight_only:  # "how large a batch can I afford?", fit or not
-        report.max_batch, report.max_batch_cap = _max_batch(ctx, probes, report)
+        report.max_batch, report.max_batch_cap = _max_batch(ctx, probes, report, calibration)
     if not passed:
         report.suggestions = _ways_out(ctx, setup, measured, limit, calibration)
     report.seconds = time.perf_counter() - start
