@@ -53,6 +53,8 @@ def test_tiny_run_records_loss_beside_peak_memory(compose_cfg, tmp_path, model):
     )
     assert summary["summary/train_tokens"] > 0 and "eval/loss" in summary
     assert summary["summary/tokens_per_s"] > 0 and summary["summary/tokens_per_s_with_warmup"] > 0
+    # steps 2 and 3 give two steady rates: their spread, standard deviation over mean, says how far to trust them
+    assert report.tokens_per_s_spread == summary["summary/tokens_per_s_spread"] >= 0
     assert report.epoch_tokens_per_s == summary["summary/epoch_tokens_per_s"] > 0  # the epoch's, from its plan
     startup = {k: v for k, v in summary.items() if k.startswith("startup/")}  # every phase before the preflight
     phases = ("checks", "tokenizer", "data", "device", "tracking", "audit", "model", "trainer")

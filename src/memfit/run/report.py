@@ -22,6 +22,7 @@ class RunReport:
     max_batch: int | None = None
     label_coverage: float | None = None
     tokens_per_s: float | None = None
+    tokens_per_s_spread: float | None = None  # the steady steps' tokens/s: standard deviation over mean
     epoch_tokens_per_s: float | None = None  # a whole epoch's, from the segment's steps and the epoch's batch plan
     final_loss: float | None = None  # the last logged training loss
     eval_loss: float | None = None  # evaluation loss at the last step, when there is validation data

@@ -128,7 +128,9 @@ def train(ctx: RunContext, setup: TrainingSetup) -> RunReport:
             "but those steps waited for the device (tokens/s is lower than with headroom)",
             retries,
         )
+    spread = setup.callback.tokens_per_s_spread
     optional = {
+        "summary/tokens_per_s_spread": spread,  # the steady steps' tokens/s: standard deviation over mean
         "summary/epoch_tokens_per_s": epoch_rate,
         "summary/final_loss": totals.final_loss,
         "summary/eval_loss": totals.eval_loss,
@@ -141,6 +143,7 @@ def train(ctx: RunContext, setup: TrainingSetup) -> RunReport:
         peak_allocated_gib=overall.allocated_gib,
         peak_reserved_gib=overall.reserved_gib,
         tokens_per_s=tokens_per_s,
+        tokens_per_s_spread=spread,
         epoch_tokens_per_s=epoch_rate,
         final_loss=totals.final_loss,
         eval_loss=totals.eval_loss,

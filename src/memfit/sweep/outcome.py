@@ -32,6 +32,7 @@ ATTRS = (
     "worst_case_peak_gib",
     "worst_case_shape",
     "tokens_per_s",
+    "tokens_per_s_spread",  # the segment's steady steps' tokens/s: standard deviation over mean
     "epoch_tokens_per_s",  # the epoch's tokens/s estimated from the segment and the epoch's batch plan
     "label_coverage",
     "final_loss",

@@ -99,6 +99,8 @@ class TrialTeller:
         state = "feasible" if outcome.feasible else outcome.attrs.get("status")
         phases = ", ".join(f"{name} {sec:.1f}" for name, sec in (outcome.attrs.get("phase_seconds") or {}).items())
         cost = f"{result.seconds:.1f} s in its process" + (f" (seconds: {phases})" if phases else "")
+        if (spread := outcome.attrs.get("tokens_per_s_spread")) is not None:
+            cost += f"; tokens/s ±{100 * spread:.0f}% over its steps"
         log.info("trial %d %s: %s; %s", trial.number, state, dict(trial.params), cost)
         return outcome
 

@@ -73,6 +73,16 @@ class MemoryLoggingCallback:
         return sum(w.tokens for w in steady) / seconds if steady and seconds > 0 else None
 
     @property
+    def tokens_per_s_spread(self) -> float | None:
+        """How much the steady windows' tokens/s vary: their standard deviation over their mean (0.05: ±5%), with
+        two windows or more after the first; how far a short segment's rate can be trusted."""
+        rates = [w.tokens / w.seconds for w in self.windows[1:] if w.seconds > 0]
+        if len(rates) < 2:
+            return None
+        mean = sum(rates) / len(rates)
+        return math.sqrt(sum((r - mean) ** 2 for r in rates) / (len(rates) - 1)) / mean if mean > 0 else None
+
+    @property
     def alloc_retries(self) -> int:
         """Allocator retries since training began (the preflight's probes near the cap are not counted)."""
         return self.meter.alloc_retries() - self._retries_before
