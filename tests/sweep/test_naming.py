@@ -19,10 +19,12 @@ SETTINGS = OmegaConf.create(
 )
 
 
-def measures(labels: str, objective: str = "throughput", fixed: tuple[str, ...] = (), floor: float = 0.99) -> dict:
+def measures(
+    labels: str, objective: str = "throughput", fixed: tuple[str, ...] = (), floor: float = 0.99, segment=None
+) -> dict:
     space, _ = parse_search(["trainer.batch_size=choice(2,8)", f"memory.max_label_length=choice({labels})"], {})
     searched = SearchSpace(space, ["model=tiny_seq2seq", *fixed])
-    return what_it_measures(searched, [objective], 32, floor), space
+    return what_it_measures(searched, [objective], 32, floor, segment), space
 
 
 def open_and_measure(url: str, measured: dict, space: dict, named_by_user: bool = False) -> optuna.Study:
@@ -55,6 +57,7 @@ def test_a_rerun_that_widens_a_choice_gets_its_own_study_and_the_same_command_re
         ({"objective": "epoch_throughput"}, "objectives: ['throughput'] → ['epoch_throughput']"),
         ({"fixed": ("trainer.max_steps=5",)}, "fixed: "),
         ({"floor": 0.9}, "coverage_floor: 0.99 → 0.9"),
+        ({"segment": 40}, "segment_micro_batches: None → 40"),  # a shorter timed segment measures another rate
     ],
 )
 def test_another_objective_fixed_setting_or_floor_is_another_study(tmp_path, changed, shown):

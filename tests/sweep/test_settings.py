@@ -31,6 +31,7 @@ def test_the_default_settings_run_and_name_their_objective():
         ({"trial_timeout_s": 0}, "hydra.sweeper.trial_timeout_s=0.0 must be > 0"),
         ({"heartbeat_s": -1}, "hydra.sweeper.heartbeat_s=-1.0 must be > 0"),
         ({"poll_s": 0}, "hydra.sweeper.poll_s=0.0 must be > 0"),
+        ({"segment_micro_batches": 0}, "hydra.sweeper.segment_micro_batches=0 must be > 0"),
         ({"budgets": [16, 0]}, "hydra.sweeper.budgets=0.0 must be > 0"),
         ({"sampler": "cmaes"}, "hydra.sweeper.sampler='cmaes': use tpe or random"),
         ({"isolation": "thread"}, "hydra.sweeper.isolation='thread'"),

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import optuna
+from omegaconf import OmegaConf
 
 from memfit.sweep import parse_search
-from memfit.sweep.space import configurations, held_step, relevant, suggest
+from memfit.sweep.space import configurations, held_step, relevant, segment_steps, suggest
 
 SPACE, _ = parse_search(
     [
@@ -70,3 +71,18 @@ def test_a_budget_shaped_trial_steps_over_the_effective_batch_and_a_fixed_one_ac
     assert held_step({}, 32, batching="budget") == {"trainer.batch_size": 32, "trainer.gradient_accumulation_steps": 1}
     assert held_step({"trainer.batch_size": 4}, None) == {}  # nothing held
     assert held_step({"trainer.batch_size": 4, "trainer.gradient_accumulation_steps": 2}, 32) == {}  # searched
+
+
+def test_a_timed_segment_in_micro_batches_times_fewer_steps_of_a_small_batch():
+    """hydra.sweeper.segment_micro_batches=40 at effective batch 32: batch 1 (32 micro-batches a step) times 3
+    steps, not 10; batch 4 (8 a step) 5; batch 16 (2 a step) keeps trainer.max_steps, 10, its ceiling."""
+    trainer = OmegaConf.create({"max_steps": 10, "gradient_accumulation_steps": 1, "batching": "fixed"})
+    steps = {}
+    for batch in (1, 4, 16):
+        params = {"trainer.batch_size": batch}
+        steps[batch] = segment_steps(params, held_step(params, 32), 40, trainer)["trainer.max_steps"]
+    assert steps == {1: 3, 4: 5, 16: 10}
+    assert segment_steps({"trainer.batch_size": 4}, {}, None, trainer) == {}  # not set: trainer.max_steps steps
+    assert segment_steps({"trainer.batching": "budget"}, {}, 40, trainer) == {}  # the plan's micro-batches
+    assert segment_steps({"trainer.max_steps": 7}, {}, 40, trainer) == {}  # the trial's own
+    assert segment_steps({}, {}, 40, trainer) == {"trainer.max_steps": 10}  # accumulation 1: 40 steps, at most 10

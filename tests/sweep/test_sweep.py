@@ -715,6 +715,37 @@ def test_pareto_mode_keeps_the_trade_off_between_two_objectives(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_segment_in_micro_batches_times_fewer_steps_of_a_small_batch(tmp_path):
+    """hydra.sweeper.segment_micro_batches=8 at effective batch 4 and trainer.max_steps=6: batch 1 (4 micro-batches
+    a step) trains 3 steps, the least a segment takes; batch 4 (1 a step) keeps its 6."""
+    from mlflow.tracking import MlflowClient
+
+    args = [
+        *[a for a in SMALL_SWEEP if not a.startswith(("trainer.seed", "trainer.max_steps", "hydra.sweeper.effective"))],
+        *IN_PROCESS,
+        "trainer.max_steps=6",
+        "trainer.batch_size=choice(1,4)",
+        "hydra.sweeper.effective_batch=4",
+        "hydra.sweeper.segment_micro_batches=8",
+        "hydra.sweeper.n_trials=2",
+        f"output_dir={tmp_path}",
+        f"hydra.sweep.dir={tmp_path}/sweep",
+        f"hydra.sweeper.preset_dir={tmp_path}/preset",
+    ]
+    out = run_train_py(*args)
+    assert out.returncode == 0, out.stderr[-3000:]
+    study = optuna.load_study(
+        study_name="memfit-tiny_seq2seq-aclsum-nobudget", storage=f"sqlite:///{tmp_path}/optuna.db"
+    )
+    client = MlflowClient(default_tracking_uri(str(tmp_path)))
+    steps = {
+        t.params["trainer.batch_size"]: len(client.get_metric_history(t.user_attrs["run_id"], "train/loss"))
+        for t in study.trials
+    }
+    assert steps == {1: 3, 4: 6}
+
+
+@pytest.mark.slow
 def test_a_budget_ladder_reuses_measurements_and_writes_one_preset_per_budget(tmp_path):
     args = [
         *readme_command("python train.py -m sweep=ladder")[2:],

@@ -25,6 +25,9 @@ class MemfitSweeperConf:
     # `fill_budget` trials of a study are those predicted to fill the most of the budget while fitting; 0: none
     fill_budget: int = 2
     effective_batch: int | None = None  # hold batch × accumulation: accumulation = ceil(effective_batch / batch)
+    # a fixed-batch trial times the steps that hold about this many micro-batches (3 at least, trainer.max_steps at
+    # most) instead of trainer.max_steps steps; null: trainer.max_steps steps (sweep.space.segment_steps)
+    segment_micro_batches: int | None = None
     # process: a fresh python process per trial | launcher: Hydra's configured launcher (the basic one runs trials in
     # the sweeper's process; hydra/launcher=submitit_slurm submits them to Slurm); none: the same as launcher
     isolation: str = "process"

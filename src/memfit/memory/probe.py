@@ -246,7 +246,7 @@ def _train_steps(setup: ProbeSetup, shape: BatchShape, batch: dict[str, Any], op
         began = time.perf_counter()
         setup.meter.reset_window()
         for _ in range(min(setup.accumulation, 2)):  # the second micro-batch runs on top of held grads
-            loss = setup.compute_loss(setup.model, batch)
+            loss = setup.compute_loss(setup.model, dict(batch))  # a copy: Trainer's may pop the labels from it
             if marker is not None:
                 marker.forward_done()
             loss.backward()

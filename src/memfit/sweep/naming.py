@@ -24,10 +24,15 @@ NOT_MEASURED = ("tracking.", "output_dir", "calibration.cache_dir", "hydra.", "b
 
 
 def what_it_measures(
-    searched: Any, objectives: list[str], effective_batch: int | None, coverage_floor: float
+    searched: Any,
+    objectives: list[str],
+    effective_batch: int | None,
+    coverage_floor: float,
+    segment_micro_batches: int | None = None,
 ) -> dict[str, Any]:
     """The settings that decide what a study's trials measure and how they are judged, as plain JSON values.
-    `searched`: the sweep's space and fixed overrides (sweep.derive.SearchSpace)."""
+    `searched`: the sweep's space and fixed overrides (sweep.derive.SearchSpace). The timed segment's size is
+    recorded only where set, so that studies from before it existed are still resumed."""
     from optuna.distributions import distribution_to_json
 
     space = searched.space
@@ -38,7 +43,7 @@ def what_it_measures(
         "fixed": measured,
         "effective_batch": effective_batch,
         "coverage_floor": coverage_floor,
-    }
+    } | ({"segment_micro_batches": segment_micro_batches} if segment_micro_batches else {})
 
 
 def digest(measured: dict[str, Any]) -> str:

@@ -32,6 +32,7 @@ def check_settings(s: DictConfig) -> list[str]:
     _positive("trial_timeout_s", s.trial_timeout_s, "give seconds, or null for no timeout", optional=True)
     _positive("heartbeat_s", s.heartbeat_s, "give seconds, or null for no heartbeat", optional=True)
     _positive("poll_s", s.poll_s, "give seconds, e.g. 5")
+    _positive("segment_micro_batches", s.segment_micro_batches, "give a micro-batch count, e.g. 40, or null", True)
     for budget in s.budgets or []:
         _positive("budgets", budget, "give each budget of the ladder in GiB, e.g. [16, 24, 40]")
     if s.sampler not in SAMPLERS:

@@ -165,6 +165,25 @@ def held_step(
     return {ACCUMULATION: math.ceil(effective_batch / int(batch))} if batch else {}
 
 
+MAX_STEPS = "trainer.max_steps"
+MIN_SEGMENT_STEPS = 3  # the first step warms up; the step-time model and the rate's spread need two more
+
+
+def segment_steps(
+    params: dict[str, Any], held: dict[str, int], micro_batches: int | None, trainer: Any
+) -> dict[str, int]:
+    """hydra.sweeper.segment_micro_batches: a fixed-batch trial's timed segment as the optimizer steps that hold
+    about that many micro-batches (at least MIN_SEGMENT_STEPS, at most the configured trainer.max_steps), so that
+    a small batch with many accumulation steps does not time ten steps of them. `held`: what held_step sets;
+    `trainer`: the trainer config (max_steps, gradient_accumulation_steps, batching). Empty where not set, where
+    the trial sets trainer.max_steps itself, or where batches are budget-shaped (a step's micro-batches are the
+    plan's)."""
+    if not micro_batches or MAX_STEPS in params or budget_shaped(params, trainer.batching) or trainer.max_steps <= 0:
+        return {}
+    per_step = int(params.get(ACCUMULATION, held.get(ACCUMULATION, trainer.gradient_accumulation_steps)))
+    return {MAX_STEPS: max(MIN_SEGMENT_STEPS, min(trainer.max_steps, math.ceil(micro_batches / per_step)))}
+
+
 def configurations(
     space: dict[str, Any], limit: int = 20_000, batching: str = "fixed", effective_batch: int | None = None
 ) -> list[dict[str, Any]] | None:

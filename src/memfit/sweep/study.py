@@ -30,7 +30,7 @@ from memfit.sweep.outcome import directions, is_feasible
 from memfit.sweep.predict import screen_data
 from memfit.sweep.results import SweepView, log_pareto_plot, summarise
 from memfit.sweep.settings import check_settings
-from memfit.sweep.space import held_step, suggest
+from memfit.sweep.space import held_step, segment_steps, suggest
 from memfit.sweep.telling import TrialTeller
 from memfit.sweep.trials import InProcessTrials, ProcessTrials, app_argv, core_sets, standby_hint, trial_env
 
@@ -125,7 +125,8 @@ class BudgetSweep:
 
         url = storage.storage_url(self.settings, self.config)
         s, name = self.settings, self._study_name()
-        measured = naming.what_it_measures(self.searched, self.objectives, s.effective_batch, s.coverage_floor)
+        judged = (s.effective_batch, s.coverage_floor, s.segment_micro_batches)
+        measured = naming.what_it_measures(self.searched, self.objectives, *judged)
         chooser = naming.chooser(name, measured, named_by_user=bool(s.study_name))
         study, store = storage.open_study(
             name, url, s, directions(self.objectives), self._stale_trial, choose_name=chooser
@@ -169,6 +170,7 @@ class BudgetSweep:
     def _trial_overrides(self, trial: Any, fixed: list[str], parent: Any) -> list[str]:
         overrides = list(fixed) + [f"{k}={_value_text(v)}" for k, v in trial.params.items()]
         held = held_step(trial.params, self.settings.effective_batch, batching=self.config.trainer.batching)
+        held |= segment_steps(trial.params, held, self.settings.segment_micro_batches, self.config.trainer)
         overrides += [f"{key}={value}" for key, value in held.items()]
         if self.settings.coverage_floor > 0:  # its preflight's ways out keep what the sweep requires
             overrides.append(f"preflight.min_coverage={self.settings.coverage_floor:g}")
