@@ -56,7 +56,7 @@ class Estimate:
             return []
         return [
             f"  memory.loss=chunked would hold ~{size(self.loss_saving)} less at this batch (no full float32 logits "
-            "and gradient; one more head product per chunk)"
+            "and gradient; one more head product per chunk; on CUDA, memory.loss=fused saves as much)"
         ]
 
     def _parts(self) -> dict[str, int]:

@@ -227,7 +227,7 @@ def _policy_ways(
                 (
                     float(saving),
                     f"memory.loss=chunked (~{saving / GIB:.2f} GiB less: no full float32 logits and gradient; "
-                    "one more head product per chunk)",
+                    "one more head product per chunk; on CUDA, memory.loss=fused saves as much)",
                 )
             )
     if not memory.gradient_checkpointing:
