@@ -89,6 +89,22 @@ def test_a_run_with_the_fused_loss_trains(compose_cfg):
     assert report.final_loss == report.final_loss  # finite, not NaN
 
 
+@pytest.mark.parametrize("loss", ["standard", "chunked"])
+def test_no_training_step_peaks_above_what_the_preflight_measured_in_bf16(compose_cfg, loss):
+    """The probe runs the forward as accelerate wraps it for training (autocast, outputs copied to float32): a bf16
+    causal run's every step peaks at most at the preflight's worst case (Qwen's head returns bf16 logits, whose
+    float32 copy a probe without the wrapping would not hold)."""
+    cfg = compose_cfg(
+        *GPU_RUN, "model=tiny_causal", "memory.precision=bf16", f"memory.loss={loss}", "trainer.batch_size=4"
+    )
+    report = run(cfg)
+    assert report.status == "ok" and report.steps == 3, report.reason
+    client = MlflowClient(default_tracking_uri(cfg.output_dir))
+    preflight = client.get_run(report.run_id).data.metrics["preflight/peak_allocated_gib"]
+    steps = client.get_metric_history(report.run_id, "mem/peak_allocated_gib")
+    assert steps and max(m.value for m in steps) <= preflight * 1.01, (preflight, [m.value for m in steps])
+
+
 def _weights_on_gpu(cfg) -> tuple[int, object]:
     """Bytes the built model occupies on the GPU, and the model."""
     from memfit.models import build_model, build_tokenizer
