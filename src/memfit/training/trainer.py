@@ -308,7 +308,7 @@ def forward_as_trained(trainer: Any) -> Iterator[None]:
         return
     from accelerate.utils import convert_outputs_to_fp32
 
-    own = model.forward
+    own, set_on_instance = model.forward, "forward" in vars(model)
 
     def autocast_forward(*args: Any, **kwargs: Any) -> Any:
         with accelerator.autocast():
@@ -318,4 +318,7 @@ def forward_as_trained(trainer: Any) -> Iterator[None]:
     try:
         yield
     finally:
-        del model.forward  # the class's forward again
+        if set_on_instance:  # a forward the instance already had (a wrapper of someone else's): put it back
+            model.forward = own
+        else:
+            del model.forward  # the class's forward again
