@@ -76,11 +76,12 @@ class MemoryLoggingCallback:
     def tokens_per_s_spread(self) -> float | None:
         """How much the steady windows' tokens/s vary: their standard deviation over their mean (0.05: ±5%), with
         two windows or more after the first; how far a short segment's rate can be trusted."""
+        import statistics
+
         rates = [w.tokens / w.seconds for w in self.windows[1:] if w.seconds > 0]
-        if len(rates) < 2:
+        if len(rates) < 2 or statistics.fmean(rates) <= 0:
             return None
-        mean = sum(rates) / len(rates)
-        return math.sqrt(sum((r - mean) ** 2 for r in rates) / (len(rates) - 1)) / mean if mean > 0 else None
+        return statistics.stdev(rates) / statistics.fmean(rates)
 
     @property
     def alloc_retries(self) -> int:
