@@ -520,6 +520,14 @@ def sweep_command(args: argparse.Namespace, data: Path, outputs: Path, sweep_dir
     tokenizer; `space`, where present, replaces the model's space)."""
     space = getattr(args, "space", None) or SPACES[args.model]
     steps = args.segment_steps  # None: the recipe's own segment
+    searched = [  # --recipe: none of these, the recipe's own space, effective batch and coverage floor
+        f"hydra.sweeper.effective_batch={EFFECTIVE_BATCH}",
+        f"hydra.sweeper.coverage_floor={COVERAGE_FLOOR}",
+        f"trainer.batch_size=choice({','.join(map(str, space['batch']))})",
+        f"memory.max_source_length=choice({','.join(map(str, space['source']))})",
+        f"memory.max_label_length=choice({','.join(map(str, space['label']))})",
+    ]
+    micro = getattr(args, "segment_micro_batches", None)
     return [
         sys.executable,
         "train.py",
@@ -529,17 +537,48 @@ def sweep_command(args: argparse.Namespace, data: Path, outputs: Path, sweep_dir
         *data_overrides(data, args.tokenizer),
         f"budget.gib={args.budget:g}",
         *([f"trainer.max_steps={steps}"] if steps else []),
+        *([f"hydra.sweeper.segment_micro_batches={micro}"] if micro else []),
         f"hydra.sweeper.n_trials={args.n_trials}",
         f"hydra.sweeper.seed={args.seed}",
-        f"hydra.sweeper.effective_batch={EFFECTIVE_BATCH}",
-        f"hydra.sweeper.coverage_floor={COVERAGE_FLOOR}",
-        f"trainer.batch_size=choice({','.join(map(str, space['batch']))})",
-        f"memory.max_source_length=choice({','.join(map(str, space['source']))})",
-        f"memory.max_label_length=choice({','.join(map(str, space['label']))})",
+        *([] if getattr(args, "recipe", False) else searched),
         f"output_dir={outputs}",
         f"hydra.sweep.dir={sweep_dir}",
         f"hydra.sweeper.preset_dir={presets}",
     ]
+
+
+def make_recipe_data(work: Path) -> Path:
+    """Issue 27's case: 400 real-text pairs, 1% of them with a target of 600-1,200 words."""
+    from long_tail_gpu import build_dataset
+
+    work.mkdir(parents=True, exist_ok=True)
+    path = work / "long_tail_recipe_400.jsonl"
+    build_dataset(path, samples=400, long_share=0.01, seed=0, long_words=(600, 1200))
+    return path
+
+
+def preset_pass(args: argparse.Namespace, data: Path, preset: Path) -> dict:
+    """One full epoch of the sweep's exported preset under the budget's cap, as a user would train it."""
+    import subprocess
+
+    run_dir = Path(args.work) / f"preset-pass-{preset.stem}"
+    overrides = [
+        f"model={args.model}",
+        *data_overrides(data, args.tokenizer),
+        f"hydra.searchpath=[file://{preset.parent.parent}]",
+        f"+preset={preset.stem}",
+        "trainer.max_steps=-1",
+        "trainer.num_train_epochs=1",
+        f"output_dir={Path(args.work) / 'outputs'}",
+        f"hydra.run.dir={run_dir}",
+    ]
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "train.py", *overrides], cwd=ROOT, capture_output=True, text=True)
+    report_path = run_dir / "report.json"
+    report = json.loads(report_path.read_text()) if report_path.exists() else {"stderr": done.stderr[-1500:]}
+    row = {"preset": preset.read_text(), "exit_code": done.returncode, "wall_s": time.perf_counter() - started}
+    print(json.dumps(row), report.get("status"), report.get("steps"), report.get("peak_reserved_gib"), flush=True)
+    return {**row, "report": report}
 
 
 def live(args: argparse.Namespace) -> None:
@@ -550,14 +589,16 @@ def live(args: argparse.Namespace) -> None:
     import yaml
 
     work = Path(args.work)
-    path, _ = make_data(work)
+    path = make_recipe_data(work) if args.recipe else make_data(work)[0]
     sweep_dir = work / f"live-{args.model}-{args.budget:g}"
-    command = sweep_command(args, path, work / "outputs", sweep_dir, work / "presets")
+    presets = work / "preset"  # a `preset` group on the search path `work`, for the recipe's full pass
+    command = sweep_command(args, path, work / "outputs", sweep_dir, presets)
     if args.devices:  # one trial per GPU at once: the same sweep, sooner (GPU-seconds are counted per trial)
         command.append(f"hydra.sweeper.devices=[{args.devices}]")
     started = time.perf_counter()
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     wall = time.perf_counter() - started
+    Path(args.out).with_suffix(".log").write_text(done.stdout + done.stderr)
     results = yaml.safe_load((sweep_dir / "optimization_results.yaml").read_text()) if done.returncode == 0 else {}
     import optuna
 
@@ -582,6 +623,8 @@ def live(args: argparse.Namespace) -> None:
                     "explored",
                     "fills_budget",
                     "predicted",
+                    "phase_seconds",
+                    "tokens_per_s_spread",
                 )
             },
         }
@@ -599,9 +642,11 @@ def live(args: argparse.Namespace) -> None:
         "trials": trials,
         "stderr_tail": done.stderr[-1500:],
     }
+    if args.recipe and results.get("best_params"):
+        out["preset_pass"] = preset_pass(args, path, max(presets.glob("*.yaml"), key=lambda p: p.stat().st_mtime))
     Path(args.out).write_text(json.dumps(out, indent=1, default=str))
     print(json.dumps({k: out[k] for k in ("exit_code", "wall_s")}), results.get("best_params"), flush=True)
-    if results.get("best_params"):
+    if results.get("best_params") and not args.recipe:
         best = results["best_params"]
         plan = [{"model": args.model, "budget": args.budget, "who": "memfit", "config": [best[k] for k in KEYS]}]
         (work / "live_plan.json").write_text(json.dumps(plan))
@@ -652,6 +697,13 @@ def main() -> None:
         "--segment-steps", type=int, default=None, help="the trials' training segment (default: the recipe's own)"
     )
     v.add_argument("--devices", default=None, help="GPUs to run trials on at once, e.g. 0,1 (default: one)")
+    v.add_argument(
+        "--recipe",
+        action="store_true",
+        help="the budget recipe as shipped (its space derived from the data, its effective batch and coverage floor) "
+        "on issue 27's long tail (1%% of 400 targets 600-1,200 words), then a full epoch of the exported preset",
+    )
+    v.add_argument("--segment-micro-batches", type=int, default=None, help="hydra.sweeper.segment_micro_batches")
     v.add_argument("--out", required=True)
     v.add_argument("--work", default="/tmp/memfit-strategies")
     v.add_argument("--tokenizer", default=None)
