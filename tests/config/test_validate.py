@@ -52,7 +52,10 @@ def test_every_shipped_option_composes_and_validates(compose_cfg, tmp_path, grou
             extra.append(f"model.name_or_path={checkpoint}")
         cfg = compose_cfg(f"{group}={option}", *extra)
         assert cfg[group].get("name", option) == option or group in ("trainer", "tracking")
-        validate(cfg, cuda_available=True)  # the config itself is sound; device needs are tested below
+        try:  # the config itself is sound; device needs are tested below
+            validate(cfg, cuda_available=True)
+        except ConfigError as err:  # only the `gpu` extra this machine may lack (bitsandbytes for memory=qlora)
+            assert all("pip install 'memfit[gpu]'" in problem for problem in err.problems), err.problems
 
 
 def test_every_memory_knob_is_set_and_commented_with_its_trade_off_in_every_policy():
@@ -144,14 +147,35 @@ def test_bad_values_name_the_field(compose_cfg, overrides, expected):
     assert any(expected in line for line in err.value.problems), err.value.problems
 
 
-@pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is not None, reason="liger-kernel is installed here")
-def test_the_fused_loss_without_liger_kernel_says_how_to_get_it(compose_cfg):
-    cfg = compose_cfg("memory.loss=fused", "trainer.device=auto")
+@pytest.mark.parametrize(
+    ("overrides", "package", "expected"),
+    [
+        (
+            ["memory.loss=fused"],
+            "liger_kernel",
+            "memory.loss=fused needs liger-kernel: pip install 'memfit[gpu]', or use memory.loss=chunked",
+        ),
+        (
+            ["memory.optimizer=adamw_8bit"],
+            "bitsandbytes",
+            "memory.optimizer=adamw_8bit needs bitsandbytes: pip install 'memfit[gpu]', or use memory.optimizer=adamw "
+            "or adafactor",
+        ),
+        (
+            ["memory=qlora", "model=tiny_causal"],
+            "bitsandbytes",
+            "memory.load_in_4bit=true needs bitsandbytes: pip install 'memfit[gpu]', or use memory=tight",
+        ),
+    ],
+)
+def test_a_gpu_knob_without_its_package_says_how_to_get_it(compose_cfg, overrides, package, expected):
+    """On a CUDA machine without the `gpu` extra: one line per knob, from its declaration (Knob.package)."""
+    if importlib.util.find_spec(package) is not None:
+        pytest.skip(f"{package} is installed here")
+    cfg = compose_cfg(*overrides, "trainer.device=auto")
     with pytest.raises(ConfigError) as err:
         validate(cfg, cuda_available=True)
-    assert err.value.problems == [
-        "memory.loss=fused needs liger-kernel: pip install 'memfit[gpu]', or use memory.loss=chunked"
-    ]
+    assert expected in err.value.problems
 
 
 def test_every_problem_is_reported_at_once(compose_cfg):

@@ -92,6 +92,8 @@ class Knob:
     applied_by: str  # one of APPLIED_BY: the phase that puts it into effect (the probe must see "trainer" ones too)
     cuda_only: tuple[Any, ...] = ()  # values that need a CUDA device
     on_cpu: str = ""  # the fix named when one of those values is set without CUDA
+    package: str = ""  # the module those values import on CUDA (the `gpu` extra installs it)
+    without_package: str = ""  # the other way out, named beside `pip install 'memfit[gpu]'` when it is missing
 
 
 def knob(default: Any, **meaning: Any) -> Any:
@@ -124,6 +126,8 @@ class MemoryConfig:
         applied_by="trainer",
         cuda_only=("adamw_8bit",),
         on_cpu="use memory.optimizer=adamw or adafactor (bitsandbytes needs CUDA)",
+        package="bitsandbytes",
+        without_package="use memory.optimizer=adamw or adafactor",
     )
     loss: str = knob(
         "standard",
@@ -131,9 +135,17 @@ class MemoryConfig:
         applied_by="trainer",
         cuda_only=("fused",),
         on_cpu="use memory.loss=chunked (liger-kernel's fused kernel needs CUDA)",
+        package="liger_kernel",
+        without_package="use memory.loss=chunked",
     )
     load_in_4bit: bool = knob(
-        False, step=True, applied_by="model", cuda_only=(True,), on_cpu="use memory=tight (bitsandbytes needs CUDA)"
+        False,
+        step=True,
+        applied_by="model",
+        cuda_only=(True,),
+        on_cpu="use memory=tight (bitsandbytes needs CUDA)",
+        package="bitsandbytes",
+        without_package="use memory=tight",
     )
     eval_enabled: bool = knob(True, step=False, applied_by="trainer")
     eval_batch_size: int | None = knob(None, step=False, applied_by="trainer")

@@ -184,14 +184,14 @@ def _validate_device_needs(cfg: DictConfig, problems: list[str], cuda_available:
     on_cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and cuda_available)
     if cfg.trainer.device == "cuda" and not cuda_available:
         problems.append("trainer.device=cuda but no CUDA device is visible: use trainer.device=auto or cpu")
-    if on_cuda and cfg.memory.loss == "fused" and importlib.util.find_spec("liger_kernel") is None:
-        problems.append("memory.loss=fused needs liger-kernel: pip install 'memfit[gpu]', or use memory.loss=chunked")
-    if not on_cuda:
-        problems += [
-            f"memory.{name}={_text(cfg.memory[name])} needs a CUDA GPU: {knob.on_cpu}"
-            for name, knob in memory_knobs().items()
-            if cfg.memory[name] in knob.cuda_only
-        ]
+    chosen = {name: knob for name, knob in memory_knobs().items() if cfg.memory[name] in knob.cuda_only}
+    for name, knob in chosen.items():
+        setting = f"memory.{name}={_text(cfg.memory[name])}"
+        if not on_cuda:
+            problems.append(f"{setting} needs a CUDA GPU: {knob.on_cpu}")
+        elif knob.package and importlib.util.find_spec(knob.package) is None:
+            wheel = knob.package.replace("_", "-")
+            problems.append(f"{setting} needs {wheel}: pip install 'memfit[gpu]', or {knob.without_package}")
 
 
 def _needs_cuda(cfg: DictConfig) -> bool:
