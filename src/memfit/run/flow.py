@@ -34,7 +34,7 @@ def _log_audit(ctx: RunContext, audit_seconds: float) -> None:
         tracker.log_artifact(path, "audit")
 
 
-def _start(cfg: DictConfig, clock: StartupClock) -> RunContext:
+def _start(cfg: DictConfig, clock: StartupClock, callbacks: tuple[Any, ...] = ()) -> RunContext:
     """Checks, device, tokenizer, data and its audit, the budget cap and the MLflow run: bad input raises before any
     model load or record."""
     # before anything initialises CUDA, validation included (it may ask whether CUDA is available)
@@ -78,7 +78,7 @@ def _start(cfg: DictConfig, clock: StartupClock) -> RunContext:
     resume = find_resume_point(cfg)
     tracker = start_tracking(cfg, run_name(cfg), run_tags(cfg, device, meter.label), run_id=resume.run_id)
     remember_run(cfg, tracker, resume)
-    return RunContext(cfg, device, tokenizer, prepared, meter, cap, tracker, resume, clock)
+    return RunContext(cfg, device, tokenizer, prepared, meter, cap, tracker, resume, clock, callbacks=callbacks)
 
 
 def _record_start(ctx: RunContext) -> None:
@@ -145,8 +145,7 @@ def _ended_by(err: BaseException) -> tuple[str, str]:
 def run(cfg: DictConfig, callbacks: Sequence[Any] = ()) -> RunReport:
     """Validate and load data (bad input raises before any model load or record), then audit, preflight, train.
     `callbacks`: more transformers TrainerCallbacks for the run's Trainer, after memfit's own (a benchmark's clock)."""
-    ctx = _start(cfg, StartupClock())
-    ctx.callbacks = tuple(callbacks)
+    ctx = _start(cfg, StartupClock(), tuple(callbacks))
     try:
         _record_start(ctx)
         report, worst = _phases(ctx)
