@@ -32,7 +32,11 @@ def finished_runs(output_dir) -> list:
 
 def test_tiny_causal_example(tmp_path):
     out = run_train(readme_command("python train.py model=tiny_causal"), tmp_path)
-    assert finished_runs(tmp_path)[0].data.tags["memfit.memory"] == "tight"
+    run = finished_runs(tmp_path)[0]
+    assert run.data.tags["memfit.memory"] == "tight"
+    # tight's memory.loss=auto: on CPU the chunked loss, logged and recorded as chosen
+    assert "memory.loss=auto: chunked for a causal model on cpu" in out.stdout
+    assert run.data.params["memory.loss"] == "chunked"
     assert "FutureWarning" not in out.stderr  # peft's read of a deprecated transformers alias is silenced
     assert re.search(r"model tiny_causal: 1\.0M params, \d\.\dk trainable", out.stdout)  # not "0.00M"
 

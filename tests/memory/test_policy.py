@@ -62,3 +62,27 @@ def test_this_cpus_bf16_answer_matches_its_instruction_set():
     assert isinstance(policy.cpu_runs_bf16_fast(), bool)
     if capability in ("AVX2", "DEFAULT"):
         assert not policy.cpu_runs_bf16_fast()  # no AVX-512: torch multiplies bf16 in a plain loop here
+
+
+@pytest.mark.parametrize(
+    ("task", "device", "liger_installed", "expected"),
+    [
+        ("causal", "cuda", True, "fused"),  # chunked's memory at the standard loss's speed (Qwen, H200)
+        ("causal", "cuda", False, "chunked"),  # no gpu extra: the plain-PyTorch one
+        ("seq2seq", "cuda", True, "chunked"),  # Pegasus: less memory than fused, and faster
+        ("causal", "cpu", True, "chunked"),  # liger's kernel is Triton: CUDA only
+    ],
+)
+def test_the_auto_loss_is_the_measured_best_for_the_model_family(monkeypatch, task, device, liger_installed, expected):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: (object() if liger_installed else None) if name == "liger_kernel" else real(name, *a),
+    )
+    memory = OmegaConf.create({"loss": "auto"})
+    assert policy.resolve_loss(memory, task, device) == expected
+    assert memory.loss == expected  # the run and everything after it (calibration key, params) see the choice
+    assert policy.resolve_loss(OmegaConf.create({"loss": "standard"}), task, device) is None  # a choice is kept

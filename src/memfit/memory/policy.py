@@ -59,6 +59,22 @@ def fall_back_to_fp32_on_slow_cpu(memory: DictConfig, device: str) -> list[str]:
     return changed
 
 
+def resolve_loss(memory: DictConfig, task: str, device: str) -> str | None:
+    """memory.loss=auto → the loss the H200 measurements favour for this model family (benchmarks/README.md,
+    step_variants_gpu.py): a causal LM on CUDA with liger-kernel installed, fused (qwen2_5_1_5b LoRA 4 × 2048: the
+    chunked loss's memory, 33.3 against 46.4 GiB, at 14.2k against the standard loss's 14.0k tokens/s); otherwise
+    chunked (pegasus_large 4 × 1024 × 1024: 16.0 GiB chunked, 16.3 fused, 19.8 standard, and chunked the faster of
+    the two; on CPU, the only one that runs). Sets the knob and returns what it chose, or None where it was not
+    auto."""
+    if memory.loss != "auto":
+        return None
+    import importlib.util
+
+    fused = task == "causal" and device == "cuda" and importlib.util.find_spec("liger_kernel") is not None
+    memory.loss = "fused" if fused else "chunked"
+    return memory.loss
+
+
 def apply_attention_kernels(memory: DictConfig, device: str) -> None:
     """Whether scaled-dot-product attention may use cuDNN's kernel. cuDNN builds a plan for each new input shape,
     a host-side cost of a step that meets one, and length-grouped batches padded to a multiple of 8 meet dozens of

@@ -11,7 +11,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from memfit.config import GIB, ConfigError, validate
 from memfit.config.local_model import check_vocabulary
-from memfit.memory.policy import apply_allocator_env, fall_back_to_fp32_on_slow_cpu, pin_one_gpu, resolve_device
+from memfit.memory.policy import (
+    apply_allocator_env,
+    fall_back_to_fp32_on_slow_cpu,
+    pin_one_gpu,
+    resolve_device,
+    resolve_loss,
+)
 from memfit.run.batch_plan import plan_batches
 from memfit.run.context import RunContext, StartupClock, TrainingSetup, WorstCase
 from memfit.run.identity import find_resume_point, remember_run, run_name, run_tags
@@ -60,6 +66,8 @@ def _start(cfg: DictConfig, clock: StartupClock, callbacks: tuple[Any, ...] = ()
             "this CPU has no fast bf16 (no AVX-512): training in fp32, not bf16 (%s); memory measured is fp32's",
             ", ".join(f"memory.{knob}" for knob in changed),
         )
+    if loss := resolve_loss(cfg.memory, cfg.model.task, device):
+        log.info("memory.loss=auto: %s for a %s model on %s", loss, cfg.model.task, device)
     set_seed(cfg.trainer.seed)
     clock.lap("checks")
     tokenizer = build_tokenizer(cfg.model)
