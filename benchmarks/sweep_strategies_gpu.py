@@ -476,9 +476,20 @@ def summarise(runs: list[dict], exhaustive: dict) -> dict:
 
 
 # --- full pass ----------------------------------------------------------------------------------------------------
-def fullpass(args: argparse.Namespace) -> None:
+def one_epoch(overrides: list[str], work: Path, run_dir: Path) -> tuple[int, float, dict]:
+    """`python train.py OVERRIDES` for one epoch: its exit code, wall seconds and report (or its stderr's tail)."""
     import subprocess
 
+    epoch = ["trainer.max_steps=-1", "trainer.num_train_epochs=1", f"output_dir={work / 'outputs'}"]
+    command = [sys.executable, "train.py", *overrides, *epoch, f"hydra.run.dir={run_dir}"]
+    started = time.perf_counter()
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    report_path = run_dir / "report.json"
+    report = json.loads(report_path.read_text()) if report_path.exists() else {"stderr": done.stderr[-1500:]}
+    return done.returncode, time.perf_counter() - started, report
+
+
+def fullpass(args: argparse.Namespace) -> None:
     work = Path(args.work)
     path, _ = make_data(work)
     passes = json.loads(Path(args.passes).read_text())
@@ -491,17 +502,10 @@ def fullpass(args: argparse.Namespace) -> None:
             *data_overrides(path, args.tokenizer),
             *config_overrides(batch, source, label),
             f"budget.gib={item['budget']}",
-            "trainer.max_steps=-1",
-            "trainer.num_train_epochs=1",
             f"preflight.enabled={str(item['who'] == 'memfit').lower()}",
-            f"output_dir={work / 'outputs'}",
-            f"hydra.run.dir={run_dir}",
         ]
-        started = time.perf_counter()
-        done = subprocess.run([sys.executable, "train.py", *overrides], cwd=ROOT, capture_output=True, text=True)
-        report_path = run_dir / "report.json"
-        report = json.loads(report_path.read_text()) if report_path.exists() else {"stderr": done.stderr[-1500:]}
-        row = {**item, "exit_code": done.returncode, "wall_s": time.perf_counter() - started, "report": report}
+        exit_code, wall, report = one_epoch(overrides, work, run_dir)
+        row = {**item, "exit_code": exit_code, "wall_s": wall, "report": report}
         print(
             json.dumps({k: row[k] for k in ("model", "budget", "config", "who", "exit_code")}),
             report.get("status"),
@@ -559,24 +563,15 @@ def make_recipe_data(work: Path) -> Path:
 
 def preset_pass(args: argparse.Namespace, data: Path, preset: Path) -> dict:
     """One full epoch of the sweep's exported preset under the budget's cap, as a user would train it."""
-    import subprocess
-
     run_dir = Path(args.work) / f"preset-pass-{preset.stem}"
     overrides = [
         f"model={args.model}",
         *data_overrides(data, args.tokenizer),
         f"hydra.searchpath=[file://{preset.parent.parent}]",
         f"+preset={preset.stem}",
-        "trainer.max_steps=-1",
-        "trainer.num_train_epochs=1",
-        f"output_dir={Path(args.work) / 'outputs'}",
-        f"hydra.run.dir={run_dir}",
     ]
-    started = time.perf_counter()
-    done = subprocess.run([sys.executable, "train.py", *overrides], cwd=ROOT, capture_output=True, text=True)
-    report_path = run_dir / "report.json"
-    report = json.loads(report_path.read_text()) if report_path.exists() else {"stderr": done.stderr[-1500:]}
-    row = {"preset": preset.read_text(), "exit_code": done.returncode, "wall_s": time.perf_counter() - started}
+    exit_code, wall, report = one_epoch(overrides, Path(args.work), run_dir)
+    row = {"preset": preset.read_text(), "exit_code": exit_code, "wall_s": wall}
     print(json.dumps(row), report.get("status"), report.get("steps"), report.get("peak_reserved_gib"), flush=True)
     return {**row, "report": report}
 
