@@ -88,6 +88,15 @@ def train_py_env() -> dict[str, str]:
     return env
 
 
+def sweep_outputs(tmp_path: Path) -> list[str]:
+    """A sweep's stores, trial directories and presets, all under tmp_path."""
+    return [
+        f"output_dir={tmp_path}",
+        f"hydra.sweep.dir={tmp_path}/sweep",
+        f"hydra.sweeper.preset_dir={tmp_path}/preset",
+    ]
+
+
 def readme_command(prefix: str) -> list[str]:
     """The first shell command starting with `prefix` in the README, else in a docs/ page (every command a user
     reads is run by a test), continuation lines joined, split as a shell would."""

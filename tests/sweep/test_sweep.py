@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from memfit.sweep import outcome_of, parse_search
 from memfit.tracking import default_tracking_uri
-from tests.conftest import free_port, readme_command, run_train_py, serving
+from tests.conftest import free_port, readme_command, run_train_py, serving, sweep_outputs
 
 
 def test_search_space_from_recipe_and_command_line():
@@ -556,10 +556,8 @@ def test_faults_in_trials_and_a_killed_sweeper_lose_nothing(tmp_path):
 
     args = [
         *SMALL_SWEEP,
-        f"output_dir={tmp_path}",
         "hydra.sweeper.n_trials=6",
-        f"hydra.sweep.dir={tmp_path}/sweep",
-        f"hydra.sweeper.preset_dir={tmp_path}/preset",
+        *sweep_outputs(tmp_path),
     ]
     env = dict(train_py_env(), MEMFIT_FAULTS="trial-1=oom@1,trial-2=crash@1,trial-3=nan@1,trial-4=kill@1")
     name, storage = "memfit-tiny_seq2seq-aclsum-nobudget", f"sqlite:///{tmp_path}/optuna.db"
@@ -610,8 +608,7 @@ def test_sigterm_stops_a_sweep_recording_its_trial_interrupted_and_the_rerun_mea
 
     from tests.conftest import ROOT, train_py_env
 
-    args = [*SMALL_SWEEP, f"output_dir={tmp_path}", "hydra.sweeper.n_trials=1", f"hydra.sweep.dir={tmp_path}/sweep"]
-    args.append(f"hydra.sweeper.preset_dir={tmp_path}/preset")
+    args = [*SMALL_SWEEP, *sweep_outputs(tmp_path), "hydra.sweeper.n_trials=1"]
     name, storage = "memfit-tiny_seq2seq-aclsum-nobudget", f"sqlite:///{tmp_path}/optuna.db"
     command = [sys.executable, str(ROOT / "train.py"), *args]
     sweeper = subprocess.Popen(command, cwd=ROOT, env=train_py_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -660,9 +657,7 @@ def test_the_loss_recipe_compares_eval_loss_after_the_same_token_budget(tmp_path
         *readme_command("python train.py -m sweep=loss")[2:],
         *IN_PROCESS,
         "data.max_eval_samples=4",
-        f"output_dir={tmp_path}",
-        f"hydra.sweep.dir={tmp_path}/sweep",
-        f"hydra.sweeper.preset_dir={tmp_path}/preset",
+        *sweep_outputs(tmp_path),
     ]
     out = run_train_py(*args, quiet=False)  # as at a terminal: the sweep shows its progress
     assert out.returncode == 0, out.stderr[-3000:]
@@ -692,9 +687,7 @@ def test_pareto_mode_keeps_the_trade_off_between_two_objectives(tmp_path):
         "memory.max_label_length=choice(4,8,16,64)",
         "trainer.batch_size=choice(1,4)",
         "hydra.sweeper.n_trials=5",
-        f"output_dir={tmp_path}",
-        f"hydra.sweep.dir={tmp_path}/sweep",
-        f"hydra.sweeper.preset_dir={tmp_path}/preset",
+        *sweep_outputs(tmp_path),
     ]
     out = run_train_py(*args)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -728,9 +721,7 @@ def test_a_segment_in_micro_batches_times_fewer_steps_of_a_small_batch(tmp_path)
         "hydra.sweeper.effective_batch=4",
         "hydra.sweeper.segment_micro_batches=8",
         "hydra.sweeper.n_trials=2",
-        f"output_dir={tmp_path}",
-        f"hydra.sweep.dir={tmp_path}/sweep",
-        f"hydra.sweeper.preset_dir={tmp_path}/preset",
+        *sweep_outputs(tmp_path),
     ]
     out = run_train_py(*args)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -749,9 +740,7 @@ def test_a_segment_in_micro_batches_times_fewer_steps_of_a_small_batch(tmp_path)
 def test_a_budget_ladder_reuses_measurements_and_writes_one_preset_per_budget(tmp_path):
     args = [
         *readme_command("python train.py -m sweep=ladder")[2:],
-        f"output_dir={tmp_path}",
-        f"hydra.sweep.dir={tmp_path}/sweep",
-        f"hydra.sweeper.preset_dir={tmp_path}/preset",
+        *sweep_outputs(tmp_path),
     ]
     out = run_train_py(*args)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -859,9 +848,7 @@ def test_a_sweep_chooses_between_fixed_and_budget_shaped_batches_and_searches_th
         "hydra.sweeper.sampler=random",
         "hydra.sweeper.seed=4",
         "hydra.sweeper.fill_budget=0",
-        f"output_dir={tmp_path}",
-        f"hydra.sweep.dir={tmp_path}/sweep",
-        f"hydra.sweeper.preset_dir={tmp_path}/preset",
+        *sweep_outputs(tmp_path),
     ]
     out = run_train_py("-m", *args)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -902,9 +889,7 @@ def test_a_sweep_with_nothing_feasible_exits_3_naming_the_constraint_that_binds(
         "memory.max_label_length=choice(8,16)",
         "hydra.sweeper.n_trials=2",
         "data.max_train_samples=48",
-        f"output_dir={tmp_path}",
-        f"hydra.sweep.dir={tmp_path}/sweep",
-        f"hydra.sweeper.preset_dir={tmp_path}/preset",
+        *sweep_outputs(tmp_path),
     )
     assert out.returncode == 3, out.stderr[-3000:]
     last = out.stderr.strip().splitlines()[-1]

@@ -15,7 +15,7 @@ import optuna
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import ROOT, free_port, readme_command, serving, train_py_env
+from tests.conftest import ROOT, free_port, readme_command, serving, sweep_outputs, train_py_env
 from tests.sweep.test_sweep import SMALL_SWEEP
 
 pytestmark = pytest.mark.slow
@@ -175,9 +175,7 @@ def _sweep_args(tmp_path) -> list[str]:
     return [
         *SMALL_SWEEP,
         "hydra.sweeper.n_trials=2",
-        f"output_dir={tmp_path}",
-        f"hydra.sweep.dir={tmp_path}/sweep",
-        f"hydra.sweeper.preset_dir={tmp_path}/preset",
+        *sweep_outputs(tmp_path),
     ]
 
 
