@@ -25,10 +25,11 @@ def _trial(number: int, params: dict, status: str, memory_gib: float, value: flo
 
 
 def test_a_measured_configuration_is_known_and_its_repeat_copies_only_what_was_measured():
-    measured = _trial(0, {"trainer.batch_size": 8}, "ok", -1.0, value=50.0, run_id="abc", device="0")
+    cost = {"standby_wait_s": 12.0, "phase_seconds": {"train": 9.5}}  # its process's, not its configuration's
+    measured = _trial(0, {"trainer.batch_size": 8}, "ok", -1.0, value=50.0, run_id="abc", device="0", **cost)
     known = proposals.known_outcome({"trainer.batch_size": 8}, [measured], [], proposals.Knowledge())
     assert known.values == [50.0] and known.attrs["repeat_of"] == 0
-    assert "run_id" not in known.attrs and "device" not in known.attrs
+    assert not {"run_id", "device", "standby_wait_s", "phase_seconds"} & set(known.attrs)
     assert proposals.known_outcome({"trainer.batch_size": 4}, [measured], [], proposals.Knowledge()) is None
 
 

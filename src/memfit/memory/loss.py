@@ -43,8 +43,6 @@ def rows_per_chunk(vocab_size: int) -> int:
     return max(1, CHUNK_BYTES // (4 * vocab_size))
 
 
-
-
 def fused_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,

@@ -26,7 +26,9 @@ EXPLORE_DRAWS = 200  # random draws looking for a configuration whose outcome is
 FILLING_OBJECTIVES = ("throughput", "epoch_throughput")
 
 # what a trial's repeat does not copy: it has no MLflow run of its own, held no device, and the sampler proposed it
-MEASURED_ONLY = ("run_id", "device", "explored", "fills_budget")
+# what belongs to the trial that ran, not to its configuration's outcome: a repeat told from it copies none of these
+# (its process's cost included: the sweep's standby advice counts the waits of processes that ran)
+MEASURED_ONLY = ("run_id", "device", "explored", "fills_budget", "standby_wait_s", "phase_seconds")
 
 
 @dataclass(frozen=True)
