@@ -160,6 +160,8 @@ def test_a_prestarted_trial_process_has_paid_its_imports_and_runs_only_its_own_o
     unused = trials.standbys[0]
     trials.close()  # ended at once, without running anything
     assert unused.returncode is not None and not trials.standbys and not (tmp_path / "s" / "3").exists()
+    # `python -m memfit.sweep.standby` imports the package first: nothing of it runs twice (runpy would warn)
+    assert "RuntimeWarning" not in (tmp_path / "s" / "standby.log").read_text()
 
 
 def test_the_sweeper_advises_starting_processes_earlier_when_trials_often_wait_for_them():

@@ -50,9 +50,6 @@ WARM_MODULES = (
 )
 
 
-STANDBY_FILE = "standby.json"  # beside the trial's log: how long its imports took and its trial waited for them
-
-
 def warm_imports(modules: tuple[str, ...] = WARM_MODULES) -> None:
     for name in modules:
         with contextlib.suppress(Exception):  # an optional extra or a broken install: the trial reports it
@@ -134,6 +131,8 @@ def main() -> None:
         imports_s, waited_s = ready - started, ready - job["sent"]
         _log_line(readiness(imports_s, waited_s))
         if job.get("log"):
+            from memfit.sweep.trials import STANDBY_FILE  # loaded with the package: `-m` runs this module alone
+
             with open(os.path.join(os.path.dirname(job["log"]), STANDBY_FILE), "w") as out:
                 json.dump({"imports_s": imports_s, "waited_s": max(0.0, waited_s)}, out)
     sys.argv = [script, *app_args, *job["overrides"]]

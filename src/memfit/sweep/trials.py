@@ -23,9 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memfit.sweep.standby import STANDBY_FILE
-
 log = logging.getLogger("memfit.sweep")
+
+
+# beside a trial's log, written by its standby (memfit.sweep.standby): how long its imports took and its trial waited
+# for them. Not imported from the standby module: `python -m memfit.sweep.standby` imports this package first, and a
+# module the package had already imported would run twice (runpy's RuntimeWarning in every standby.log)
+STANDBY_FILE = "standby.json"
 
 
 @dataclass
