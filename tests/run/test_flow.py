@@ -56,6 +56,10 @@ def test_tiny_run_records_loss_beside_peak_memory(compose_cfg, tmp_path, model):
     # steps 2 and 3 give two steady rates: their spread, standard deviation over mean, says how far to trust them
     assert report.tokens_per_s_spread == summary["summary/tokens_per_s_spread"] >= 0
     assert report.epoch_tokens_per_s == summary["summary/epoch_tokens_per_s"] > 0  # the epoch's, from its plan
+    # what training reserved beyond the preflight's worst case (here the process's RSS, which grows as it trains)
+    growth = report.peak_reserved_gib - report.worst_case_peak_gib
+    assert report.reserved_over_preflight_gib == pytest.approx(growth)
+    assert summary["summary/reserved_over_preflight_gib"] == pytest.approx(growth)
     startup = {k: v for k, v in summary.items() if k.startswith("startup/")}  # every phase before the preflight
     phases = ("checks", "tokenizer", "data", "device", "tracking", "audit", "model", "trainer")
     assert set(startup) == {f"startup/{phase}_s" for phase in phases} and all(v >= 0 for v in startup.values())

@@ -116,6 +116,27 @@ def _with_worst_case(report: RunReport, ctx: RunContext, worst: WorstCase) -> Ru
     return report
 
 
+def _growth_past_preflight(report: RunReport, ctx: RunContext) -> None:
+    """How far training's peak reserved memory went past the preflight's judged worst case: the allocator cache a
+    long run grows, which a fresh probe does not hold (issue 26). Logged on every run that trained after a
+    preflight; on CUDA a growth past it is also said, with what held it."""
+    if not report.steps or report.worst_case_peak_gib is None or report.peak_reserved_gib is None:
+        return
+    growth = report.peak_reserved_gib - report.worst_case_peak_gib
+    report.reserved_over_preflight_gib = growth
+    ctx.tracker.log_metrics({"summary/reserved_over_preflight_gib": growth}, step=report.steps)
+    if growth > 0 and ctx.device == "cuda":
+        log.warning(
+            "training's reserved memory reached %.2f GiB, %.2f GiB past the preflight's %.2f GiB for the worst "
+            "batch: allocator cache grown over the run, which the budget's cap bounds (%d allocator retries; "
+            "docs/batching.md)",
+            report.peak_reserved_gib,
+            growth,
+            report.worst_case_peak_gib,
+            report.alloc_retries or 0,
+        )
+
+
 def _phases(ctx: RunContext) -> tuple[RunReport, WorstCase]:
     """Model and Trainer, then estimate, preflight and training, as the config asks."""
     cfg, worst = ctx.cfg, WorstCase()
@@ -164,6 +185,7 @@ def run(cfg: DictConfig, callbacks: Sequence[Any] = ()) -> RunReport:
             return RunReport(status=status, reason=reason, run_id=ctx.tracker.run_id, meter=ctx.meter.label)
         raise
     _with_worst_case(report, ctx, worst)
+    _growth_past_preflight(report, ctx)
     if report.status == "preflight_failed":
         ctx.tracker.finish("FAILED", "preflight: the worst batch does not fit the budget")
         return report
