@@ -70,7 +70,10 @@ def resolve_loss(memory: DictConfig, task: str, device: str) -> str | None:
         return None
     import importlib.util
 
-    fused = task == "causal" and device == "cuda" and importlib.util.find_spec("liger_kernel") is not None
+    from memfit.config.schema import memory_knobs
+
+    kernel = memory_knobs()["loss"].package  # the fused loss's package, as the knob declares it
+    fused = task == "causal" and device == "cuda" and importlib.util.find_spec(kernel) is not None
     memory.loss = "fused" if fused else "chunked"
     return memory.loss
 

@@ -119,20 +119,22 @@ def _with_worst_case(report: RunReport, ctx: RunContext, worst: WorstCase) -> Ru
 def _growth_past_preflight(report: RunReport, ctx: RunContext) -> None:
     """How far training's peak reserved memory went past the preflight's judged worst case: the allocator cache a
     long run grows, which a fresh probe does not hold (issue 26). Logged on every run that trained after a
-    preflight; on CUDA a growth past it is also said, with what held it."""
+    preflight; on CUDA, growth that took it past the limit the preflight judged against (into the budget's margin)
+    is also said, with what held it."""
     if not report.steps or report.worst_case_peak_gib is None or report.peak_reserved_gib is None:
         return
     growth = report.peak_reserved_gib - report.worst_case_peak_gib
     report.reserved_over_preflight_gib = growth
     ctx.tracker.log_metrics({"summary/reserved_over_preflight_gib": growth}, step=report.steps)
-    if growth > 0 and ctx.device == "cuda":
+    if ctx.device == "cuda" and report.limit_gib is not None and report.peak_reserved_gib > report.limit_gib:
         log.warning(
             "training's reserved memory reached %.2f GiB, %.2f GiB past the preflight's %.2f GiB for the worst "
-            "batch: allocator cache grown over the run, which the budget's cap bounds (%d allocator retries; "
-            "docs/batching.md)",
+            "batch and over its %.2f GiB limit: allocator cache grown over the run, which the budget's cap bounds "
+            "(%d allocator retries; docs/batching.md)",
             report.peak_reserved_gib,
             growth,
             report.worst_case_peak_gib,
+            report.limit_gib,
             report.alloc_retries or 0,
         )
 

@@ -33,6 +33,8 @@ import time
 import traceback
 from datetime import datetime
 
+from memfit.sweep.trials import STANDBY_FILE  # already loaded: `python -m` imports the package first
+
 # What a trial imports on every path (run, data, models, training, tracking), heaviest first. A module that is not
 # installed is skipped here and reported by the trial itself, as it would be without a standby.
 WARM_MODULES = (
@@ -131,8 +133,6 @@ def main() -> None:
         imports_s, waited_s = ready - started, ready - job["sent"]
         _log_line(readiness(imports_s, waited_s))
         if job.get("log"):
-            from memfit.sweep.trials import STANDBY_FILE  # loaded with the package: `-m` runs this module alone
-
             with open(os.path.join(os.path.dirname(job["log"]), STANDBY_FILE), "w") as out:
                 json.dump({"imports_s": imports_s, "waited_s": max(0.0, waited_s)}, out)
     sys.argv = [script, *app_args, *job["overrides"]]
