@@ -8,7 +8,9 @@ Data: benchmarks/long_tail_gpu.build_dataset (ACLSum introductions → summaries
 memory=balanced, lengths up to 1024/1024, eval off, under the budget enforced by the allocator cap:
   (a) fixed: the largest batch whose worst case fits at full label length (memfit's preflight_only search);
   (b) fixed, labels cut to `--cut` tokens: the largest batch whose worst case fits at that cut (less label coverage);
-  (c) trainer.batching=budget at full label length.
+  (c) trainer.batching=budget at full label length;
+  (c at b's step) the same, at the samples per optimizer step that (b)'s whole batches round up to (`--c-at-b-step`):
+      (b) at batch 15 takes ceil(32 / 15) = 3 micro-batches, 45 samples a step, so fewer optimizer updates an epoch.
 Each arm is a fresh `python train.py` (tracking off); its report.json gives tokens/s, peaks, coverage and retries.
 The searches of (a) and (b) measure memory only (no timing), so they run side by side, each under its own cap.
 """
@@ -69,6 +71,11 @@ def run_budget(common: list[str], work: Path, budget: float, args: argparse.Name
                 [*here, *cut, *fixed(typical["max_batch"], args.effective)], work / f"{budget}_b"
             )
     out["c_budget"] = train_py([*here, *shaped], work / f"{budget}_c")
+    typical_batch = out.get("b_search", {}).get("max_batch")
+    if args.c_at_b_step and typical_batch:
+        b_step = typical_batch * math.ceil(args.effective / typical_batch)
+        b_shaped = ["trainer.batching=budget", *fixed(b_step, b_step)]
+        out["c_budget_at_b_step"] = train_py([*here, *b_shaped], work / f"{budget}_c_b_step")
     return out
 
 
@@ -85,6 +92,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="cpu only to smoke-test this script")
     parser.add_argument("--arms", default="abc", choices=["abc", "c"], help="c: the budget-shaped arm alone")
     parser.add_argument("--data-seed", type=int, default=0, help="which pairs get the long labels (held-apart data)")
+    parser.add_argument("--c-at-b-step", action="store_true", help="(c) again at (b)'s samples per optimizer step")
     parser.add_argument("--set", nargs="*", default=[], help="more overrides for every arm")
     args = parser.parse_args()
     work = Path(args.work)
@@ -119,7 +127,7 @@ def summary(results: dict) -> str:
     for key, arms in results.items():
         if not key.endswith("GiB"):
             continue
-        for arm in ("a_fixed_full_labels", "b_fixed_cut_labels", "c_budget"):
+        for arm in ("a_fixed_full_labels", "b_fixed_cut_labels", "c_budget", "c_budget_at_b_step"):
             r = arms.get(arm, {})
             lines.append(
                 f"{key} {arm}: exit {r.get('exit_code')} status {r.get('status')} tokens/s {r.get('tokens_per_s')} "

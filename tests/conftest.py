@@ -132,13 +132,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def mlflow_server(store: str, port: int) -> list[str]:
+    """`mlflow server` on 127.0.0.1 with one worker: its default four each import MLflow's server, which on a
+    2-core machine busy with other tests pushed its start-up past 90 s (CI, session 19)."""
+    return [
+        "mlflow",
+        "server",
+        "--backend-store-uri",
+        store,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+    ]
+
+
 @contextlib.contextmanager
-def serving(command: list[str], port: int, cwd: Path, timeout_s: float = 90, health: str = "/health") -> Iterator[str]:
+def serving(command: list[str], port: int, cwd: Path, timeout_s: float = 240, health: str = "/health") -> Iterator[str]:
     """Run a server command (MLflow's, optuna-dashboard) until the block ends; yields its base URL once `health`
-    answers 200."""
-    server = subprocess.Popen(
-        command, cwd=cwd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+    answers 200. Its output goes to `<cwd>/<command>.log`, whose tail a failure to start shows."""
+    log_path = cwd / f"{Path(command[0]).name}-{port}.log"
+    with log_path.open("w") as log:
+        server = subprocess.Popen(command, cwd=cwd, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + timeout_s
@@ -147,8 +164,9 @@ def serving(command: list[str], port: int, cwd: Path, timeout_s: float = 90, hea
                 with urllib.request.urlopen(f"{url}{health}", timeout=2):
                     break
             except OSError:
-                assert server.poll() is None, f"{command[:2]} exited with {server.returncode}"
-                assert time.time() < deadline, f"{command[:2]} did not answer {health} within {timeout_s:.0f} s"
+                said = f"{command[:2]} {{}}; its log ends:\n{log_path.read_text()[-2000:]}"
+                assert server.poll() is None, said.format(f"exited with {server.returncode}")
+                assert time.time() < deadline, said.format(f"did not answer {health} within {timeout_s:.0f} s")
                 time.sleep(1)
         yield url
     finally:
@@ -230,3 +248,24 @@ def pytest_collection_modifyitems(config, items) -> None:
     order, so the two workers share the long runs from the start and the quick tests fill the end, rather than one
     worker finishing a long run alone while the other idles."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """MEMFIT_TEST_CPU=<file>: append each test's CPU seconds (this process's and its reaped children's, setup and
+    teardown included) to the file, one JSON line each: where the suite's CPU goes on a 2-core machine, which a
+    test's wall time under xdist does not show."""
+    path = os.environ.get("MEMFIT_TEST_CPU")
+    if not path:
+        yield
+        return
+    import resource
+
+    def cpu() -> float:
+        own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+    start, wall = cpu(), time.monotonic()
+    yield
+    with open(path, "a") as out:
+        out.write(json.dumps({"test": item.nodeid, "cpu_s": cpu() - start, "wall_s": time.monotonic() - wall}) + "\n")

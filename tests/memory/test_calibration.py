@@ -258,6 +258,7 @@ def calibrated(tmp_path_factory):
     return cfg, str(tmp / "cal" / f"{calibration.key}.json")
 
 
+@pytest.mark.xdist_group("calibrated")  # one worker calibrates once for both
 def test_the_sweeper_tells_a_configuration_predicted_far_over_budget_without_running_it(calibrated):
     import optuna
     from omegaconf import OmegaConf
@@ -308,6 +309,7 @@ def test_the_sweeper_tells_a_configuration_predicted_far_over_budget_without_run
     assert not sweep.told_without_running(study, ask(512, checkpointing=True), None)
 
 
+@pytest.mark.xdist_group("calibrated")  # one worker calibrates once for both
 def test_once_calibrated_the_fullest_predicted_fit_is_tried_next_for_a_throughput_objective(calibrated):
     """Tokens/s grows with the work a step does, which is what fills memory: the configuration predicted to fill the
     most of the limit without passing it is queued for the next ask, fill_budget times per study; a preflight that

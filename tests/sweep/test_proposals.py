@@ -74,3 +74,6 @@ def test_a_trial_beyond_n_trials_is_over_quota_unless_it_retries_a_killed_one():
     assert not proposals.over_quota(retry, started, n_trials=3)
     assert proposals.standbys_wanted(slots=2, ahead=2, to_come=3) == 3
     assert proposals.standbys_wanted(slots=2, ahead=2, to_come=None) == 4
+    # two devices' runners, three trials to come: two processes each would leave one importing for nothing
+    assert proposals.standbys_wanted(slots=1, ahead=2, to_come=3, runners=2) == 2
+    assert proposals.standbys_wanted(slots=1, ahead=2, to_come=2, runners=2) == 1

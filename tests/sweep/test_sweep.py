@@ -306,6 +306,8 @@ def test_the_readme_budget_sweep_finds_and_exports_a_preset(readme_budget_sweep,
     assert "trainer.max_steps" not in run.data.params or exported.trainer.get("max_steps") is None
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("readme_budget_sweep")  # the session fixture runs once per worker: share its worker
 def test_optuna_dashboard_shows_the_readme_sweeps_trials_with_constraints_and_reasons(readme_budget_sweep):
     """The README's dashboard command, on the README sweep's study: a real optuna-dashboard on 127.0.0.1."""
     from importlib.metadata import requires
@@ -742,6 +744,7 @@ def test_a_segment_in_micro_batches_times_fewer_steps_of_a_small_batch(tmp_path)
 def test_a_budget_ladder_reuses_measurements_and_writes_one_preset_per_budget(tmp_path):
     args = [
         *readme_command("python train.py -m sweep=ladder")[2:],
+        *IN_PROCESS,
         *sweep_outputs(tmp_path),
     ]
     out = run_train_py(*args)
@@ -850,6 +853,7 @@ def test_a_sweep_chooses_between_fixed_and_budget_shaped_batches_and_searches_th
         "hydra.sweeper.sampler=random",
         "hydra.sweeper.seed=4",
         "hydra.sweeper.fill_budget=0",
+        *IN_PROCESS,
         *sweep_outputs(tmp_path),
     ]
     out = run_train_py("-m", *args)
@@ -891,6 +895,7 @@ def test_a_sweep_with_nothing_feasible_exits_3_naming_the_constraint_that_binds(
         "memory.max_label_length=choice(8,16)",
         "hydra.sweeper.n_trials=2",
         "data.max_train_samples=48",
+        *IN_PROCESS,
         *sweep_outputs(tmp_path),
     )
     assert out.returncode == 3, out.stderr[-3000:]

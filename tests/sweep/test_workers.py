@@ -15,7 +15,7 @@ import optuna
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import ROOT, free_port, readme_command, serving, sweep_outputs, train_py_env
+from tests.conftest import ROOT, free_port, mlflow_server, readme_command, serving, sweep_outputs, train_py_env
 from tests.sweep.test_sweep import SMALL_SWEEP
 
 pytestmark = pytest.mark.slow
@@ -59,7 +59,8 @@ def _readme_worker(storage: str, tracking: str) -> list[str]:
 
 
 def _readme_mlflow_server(port: int, tmp_path) -> list[str]:
-    """The README's `mlflow server` command on a free port, its store in the test's directory."""
+    """The README's `mlflow server` command on a free port, its store in the test's directory, with one worker
+    process (see `tests.conftest.mlflow_server`)."""
     command = readme_command("mlflow server --host 127.0.0.1")
     assert command[command.index("--artifacts-destination") + 1].startswith("outputs/")  # not ./mlartifacts
     return [
@@ -69,7 +70,7 @@ def _readme_mlflow_server(port: int, tmp_path) -> list[str]:
             "outputs/mlartifacts", f"{tmp_path}/mlartifacts"
         )
         for arg in command
-    ]
+    ] + ["--workers", "1"]
 
 
 def _start(command: list[str], tmp_path, index: int) -> subprocess.Popen:
@@ -124,7 +125,7 @@ def test_four_workers_share_one_postgres_study_and_one_mlflow_server(postgres, t
 def test_a_killed_worker_leaves_its_trial_failed_and_the_study_goes_on(postgres, tmp_path):
     storage, n_trials, port = postgres("killed"), 5, free_port()
     store = f"sqlite:///{tmp_path}/mlflow-server.db"
-    command = ["mlflow", "server", "--backend-store-uri", store, "--host", "127.0.0.1", "--port", str(port)]
+    command = mlflow_server(store, port)
     with serving(command, port, cwd=tmp_path) as tracking:
         victim, survivor = (_start(_worker(i, n_trials, storage, tracking, tmp_path), tmp_path, i) for i in (0, 1))
         killed = _running_trial_of(victim, storage)

@@ -16,7 +16,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from memfit.tracking import default_tracking_uri
-from tests.conftest import ROOT, free_port, serving
+from tests.conftest import ROOT, free_port, mlflow_server, serving
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
@@ -128,7 +128,7 @@ def test_the_runs_table_shows_every_trial_with_loss_and_peak_and_the_pareto_plot
     assert len(trials) >= 6 and trained and len(trained) < len(trials)  # some trials did not fit: no loss
 
     port = free_port()
-    command = ["mlflow", "server", "--backend-store-uri", store, "--host", "127.0.0.1", "--port", str(port)]
+    command = mlflow_server(store, port)
     wait = WebDriverWait(browser, 60)
     shots = artifacts_dir()
     with serving(command, port, cwd=tmp_path) as url:

@@ -4,6 +4,7 @@ and which predicted fit fills the budget most. The loop (sweep.study) asks, appl
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -143,8 +144,10 @@ def over_quota(trial: Any, started: list[Any], n_trials: int) -> bool:
     return len([t for t in started if t.number < trial.number and counts_as_run(t)]) >= n_trials
 
 
-def standbys_wanted(slots: int, ahead: int, to_come: int | None) -> int:
-    """Processes worth starting ahead for `slots` trial slots: `ahead` each, but no more than the trials still to
-    come beyond those now running (None: more come after this study, a larger budget of the ladder)."""
+def standbys_wanted(slots: int, ahead: int, to_come: int | None, runners: int = 1) -> int:
+    """Processes worth starting ahead for `slots` trial slots of one of `runners` (a device's each): `ahead` each,
+    but no more than this runner's share of the trials still to come beyond those now running (None: more come
+    after this study, a larger budget of the ladder). A process started for a trial that never comes imports for
+    nothing: on a 2-core host, as long as a trial."""
     wanted = slots * ahead
-    return wanted if to_come is None else max(0, min(wanted, to_come))
+    return wanted if to_come is None else max(0, min(wanted, math.ceil(to_come / runners)))

@@ -188,7 +188,7 @@ class BudgetSweep:
         s = self.settings
         more_budgets = s.budgets and self.budget_gib != max(s.budgets)
         to_come = None if more_budgets else s.n_trials - storage.trials_run(study) - storage.running(study)
-        return proposals.standbys_wanted(slots, s.prestart_ahead, to_come)
+        return proposals.standbys_wanted(slots, s.prestart_ahead, to_come, runners=max(1, len(self.runners)))
 
     # --- the loop -------------------------------------------------------------------------------------------------
     def _run_study(self, space: dict[str, Any], fixed: list[str], earlier: list[Any]) -> dict[str, Any] | None:
@@ -380,9 +380,9 @@ class BudgetSweep:
         ahead, n_trials = self.settings.prestart_ahead, self.settings.n_trials
         if self.runners:
             for runner in self.runners.values():
-                runner.keep_ready(min(ahead, n_trials))
+                runner.keep_ready(proposals.standbys_wanted(1, ahead, n_trials, runners=len(self.runners)))
         else:
-            self.trials.keep_ready(min(self.settings.n_jobs * ahead, n_trials))
+            self.trials.keep_ready(proposals.standbys_wanted(self.settings.n_jobs, ahead, n_trials))
 
     def _sweep_budgets(self, space: dict[str, Any], fixed: list[str]) -> list[Any]:
         budgets = sorted(float(b) for b in self.settings.budgets or [])
