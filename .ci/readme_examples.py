@@ -1,0 +1,74 @@
+"""The README's two heaviest examples, run by CI as a user runs them (the test suite checks the same behaviour on tiny
+models, in a fraction of the CPU time):
+
+- `python train.py -m memory=off,balanced,tight ...` (the default job three times), then `mlflow ui` serving its runs;
+- `python train.py model=qwen2_5_0_5b ...` (LoRA on a 0.5B model with random weights) on a prompt/response JSONL.
+
+Run from the repository root after the test extras are installed: python .ci/readme_examples.py
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mlflow.tracking import MlflowClient  # noqa: E402
+
+from memfit.tracking import default_tracking_uri  # noqa: E402
+from tests.conftest import free_port, readme_command, run_train_py, serving  # noqa: E402
+
+
+def train(prefix: str, out: Path, cwd: Path = ROOT) -> list:
+    """The README command starting with `prefix`, its outputs in `out`; its finished MLflow runs."""
+    command = readme_command(prefix)
+    done = run_train_py(*command[2:], f"output_dir={out}", cwd=cwd)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "anterior to 4.12.0" not in done.stderr  # EncoderDecoderModel's warning about old checkpoints: not ours
+    client = MlflowClient(default_tracking_uri(str(out)))
+    runs = client.search_runs([client.get_experiment_by_name("memfit").experiment_id])
+    assert runs and all(r.info.status == "FINISHED" for r in runs), [r.info.status for r in runs]
+    return runs
+
+
+def compare_policies_then_open_the_ui(work: Path) -> None:
+    runs = train("python train.py -m memory=off,balanced,tight", work)
+    assert sorted(r.data.tags["memfit.memory"] for r in runs) == ["balanced", "off", "tight"]
+    assert all(r.data.metrics["summary/peak_allocated_gib"] > 0 for r in runs)
+    assert {r.data.params["memory.gradient_checkpointing"] for r in runs} == {"True", "False"}
+    ui, port = readme_command("mlflow ui"), free_port()
+    ui[ui.index("--port") + 1] = str(port)
+    ui[ui.index("--backend-store-uri") + 1] = default_tracking_uri(str(work))
+    with serving(ui, port, cwd=work) as url:
+        query = json.dumps({"experiment_ids": [runs[0].info.experiment_id]}).encode()
+        request = urllib.request.Request(
+            f"{url}/api/2.0/mlflow/runs/search", data=query, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=30) as response:
+            served = json.loads(response.read())["runs"]
+    assert len(served) == 3 and {"summary/peak_allocated_gib", "train/loss"} <= {
+        m["key"] for m in served[0]["data"]["metrics"]
+    }
+    policies = ", ".join(sorted(r.data.tags["memfit.memory"] for r in runs))
+    print(f"README policy comparison: 3 runs ({policies}), served by mlflow ui")
+
+
+def qwen_lora_on_own_jsonl(work: Path) -> None:
+    rows = [{"prompt": f"Question {i}: what is " + "word " * 20, "response": "An answer " * 10} for i in range(30)]
+    (work / "my.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run,) = train("python train.py model=qwen2_5_0_5b", work, cwd=work)
+    assert run.data.params["memfit.random_weights"] == "True"
+    trainable, total = int(run.data.params["memfit.trainable_params"]), int(run.data.params["memfit.total_params"])
+    assert trainable < total / 50, (trainable, total)
+    print(f"README Qwen2.5-0.5B LoRA example: {trainable:,} of {total:,} weights trained")
+
+
+if __name__ == "__main__":
+    with tempfile.TemporaryDirectory() as policies, tempfile.TemporaryDirectory() as qwen:
+        compare_policies_then_open_the_ui(Path(policies))
+        qwen_lora_on_own_jsonl(Path(qwen))
