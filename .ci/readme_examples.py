@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,7 +20,7 @@ sys.path.insert(0, str(ROOT))
 from mlflow.tracking import MlflowClient  # noqa: E402
 
 from memfit.tracking import default_tracking_uri  # noqa: E402
-from tests.conftest import free_port, readme_command, run_train_py, serving  # noqa: E402
+from tests.conftest import free_port, readme_command, run_train_py, served_runs, serving  # noqa: E402
 
 
 def train(prefix: str, out: Path, cwd: Path = ROOT) -> list:
@@ -45,12 +44,7 @@ def compare_policies_then_open_the_ui(work: Path) -> None:
     ui[ui.index("--port") + 1] = str(port)
     ui[ui.index("--backend-store-uri") + 1] = default_tracking_uri(str(work))
     with serving(ui, port, cwd=work) as url:
-        query = json.dumps({"experiment_ids": [runs[0].info.experiment_id]}).encode()
-        request = urllib.request.Request(
-            f"{url}/api/2.0/mlflow/runs/search", data=query, headers={"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(request, timeout=30) as response:
-            served = json.loads(response.read())["runs"]
+        served = served_runs(url, runs[0].info.experiment_id)
     assert len(served) == 3 and {"summary/peak_allocated_gib", "train/loss"} <= {
         m["key"] for m in served[0]["data"]["metrics"]
     }

@@ -174,6 +174,16 @@ def serving(command: list[str], port: int, cwd: Path, timeout_s: float = 240, he
         server.wait(timeout=30)
 
 
+def served_runs(url: str, experiment_id: str) -> list[dict]:
+    """The runs of an experiment as an MLflow server or `mlflow ui` at `url` serves them (its REST search)."""
+    query = json.dumps({"experiment_ids": [experiment_id]}).encode()
+    request = urllib.request.Request(
+        f"{url}/api/2.0/mlflow/runs/search", data=query, headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())["runs"]
+
+
 @pytest.fixture(scope="session")
 def readme_budget_sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     """The README's CPU budget sweep, run once per session: its output dir (MLflow store, Optuna study, presets)

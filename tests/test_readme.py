@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
-import urllib.request
 
 import pytest
 from mlflow.tracking import MlflowClient
 
 from memfit.tracking import default_tracking_uri
-from tests.conftest import FAST, ROOT, free_port, readme_command, run_train_py, serving
+from tests.conftest import FAST, ROOT, free_port, readme_command, run_train_py, served_runs, serving
 
 pytestmark = pytest.mark.slow
 
@@ -84,12 +82,7 @@ def test_a_policy_multirun_gives_comparable_runs_that_mlflow_ui_serves(tmp_path)
     ui[ui.index("--backend-store-uri") + 1] = default_tracking_uri(str(tmp_path))
     assert ui[ui.index("--host") + 1] == "127.0.0.1"
     with serving([*ui, "--workers", "1"], port, cwd=tmp_path) as url:
-        query = json.dumps({"experiment_ids": [runs[0].info.experiment_id]}).encode()
-        request = urllib.request.Request(
-            f"{url}/api/2.0/mlflow/runs/search", data=query, headers={"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(request, timeout=10) as response:
-            served = json.loads(response.read())["runs"]
+        served = served_runs(url, runs[0].info.experiment_id)
     assert len(served) == 3
     keys = {m["key"] for m in served[0]["data"]["metrics"]}
     assert {"summary/peak_allocated_gib", "train/loss"} <= keys
