@@ -17,22 +17,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mlflow.tracking import MlflowClient  # noqa: E402
-
 from memfit.tracking import default_tracking_uri  # noqa: E402
-from tests.conftest import free_port, readme_command, run_train_py, served_runs, serving  # noqa: E402
+from tests.conftest import (  # noqa: E402
+    finished_runs,
+    free_port,
+    readme_command,
+    readme_mlflow_ui,
+    run_train_py,
+    served_runs,
+    serving,
+)
 
 
 def train(prefix: str, out: Path, cwd: Path = ROOT) -> list:
     """The README command starting with `prefix`, its outputs in `out`; its finished MLflow runs."""
-    command = readme_command(prefix)
-    done = run_train_py(*command[2:], f"output_dir={out}", cwd=cwd)
+    done = run_train_py(*readme_command(prefix)[2:], f"output_dir={out}", cwd=cwd)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "anterior to 4.12.0" not in done.stderr  # EncoderDecoderModel's warning about old checkpoints: not ours
-    client = MlflowClient(default_tracking_uri(str(out)))
-    runs = client.search_runs([client.get_experiment_by_name("memfit").experiment_id])
-    assert runs and all(r.info.status == "FINISHED" for r in runs), [r.info.status for r in runs]
-    return runs
+    return finished_runs(out)
 
 
 def compare_policies_then_open_the_ui(work: Path) -> None:
@@ -40,10 +42,8 @@ def compare_policies_then_open_the_ui(work: Path) -> None:
     assert sorted(r.data.tags["memfit.memory"] for r in runs) == ["balanced", "off", "tight"]
     assert all(r.data.metrics["summary/peak_allocated_gib"] > 0 for r in runs)
     assert {r.data.params["memory.gradient_checkpointing"] for r in runs} == {"True", "False"}
-    ui, port = readme_command("mlflow ui"), free_port()
-    ui[ui.index("--port") + 1] = str(port)
-    ui[ui.index("--backend-store-uri") + 1] = default_tracking_uri(str(work))
-    with serving(ui, port, cwd=work) as url:
+    port = free_port()
+    with serving(readme_mlflow_ui(default_tracking_uri(str(work)), port), port, cwd=work) as url:
         served = served_runs(url, runs[0].info.experiment_id)
     assert len(served) == 3 and {"summary/peak_allocated_gib", "train/loss"} <= {
         m["key"] for m in served[0]["data"]["metrics"]

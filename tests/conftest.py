@@ -132,21 +132,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# MLflow's server and UI with one worker process: their default four each import MLflow's server, which on a 2-core
+# machine busy with other tests pushed the start-up past 90 s (CI, session 19)
+ONE_WORKER = ["--workers", "1"]
+
+
 def mlflow_server(store: str, port: int) -> list[str]:
-    """`mlflow server` on 127.0.0.1 with one worker: its default four each import MLflow's server, which on a
-    2-core machine busy with other tests pushed its start-up past 90 s (CI, session 19)."""
-    return [
-        "mlflow",
-        "server",
-        "--backend-store-uri",
-        store,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--workers",
-        "1",
-    ]
+    """`mlflow server` on 127.0.0.1 with one worker."""
+    return ["mlflow", "server", "--backend-store-uri", store, "--host", "127.0.0.1", "--port", str(port), *ONE_WORKER]
+
+
+def readme_mlflow_ui(store: str, port: int) -> list[str]:
+    """The README's `mlflow ui` command on `store` and a free port (on 127.0.0.1, as the README says)."""
+    ui = readme_command("mlflow ui")
+    assert ui[ui.index("--host") + 1] == "127.0.0.1"
+    ui[ui.index("--port") + 1] = str(port)
+    ui[ui.index("--backend-store-uri") + 1] = store
+    return ui
+
+
+def finished_runs(output_dir) -> list:
+    """The runs of `output_dir`'s MLflow store, asserted all FINISHED."""
+    from mlflow.tracking import MlflowClient
+
+    from memfit.tracking import default_tracking_uri
+
+    client = MlflowClient(default_tracking_uri(str(output_dir)))
+    runs = client.search_runs([client.get_experiment_by_name("memfit").experiment_id])
+    assert runs and all(r.info.status == "FINISHED" for r in runs), [r.info.status for r in runs]
+    return runs
 
 
 @contextlib.contextmanager
@@ -164,9 +178,15 @@ def serving(command: list[str], port: int, cwd: Path, timeout_s: float = 240, he
                 with urllib.request.urlopen(f"{url}{health}", timeout=2):
                     break
             except OSError:
-                said = f"{command[:2]} {{}}; its log ends:\n{log_path.read_text()[-2000:]}"
-                assert server.poll() is None, said.format(f"exited with {server.returncode}")
-                assert time.time() < deadline, said.format(f"did not answer {health} within {timeout_s:.0f} s")
+                if server.poll() is not None or time.time() > deadline:
+                    why = (
+                        f"exited with {server.returncode}"
+                        if server.poll() is not None
+                        else f"did not answer {health} within {timeout_s:.0f} s"
+                    )
+                    raise AssertionError(
+                        f"{command[:2]} {why}; its log ends:\n{log_path.read_text()[-2000:]}"
+                    ) from None
                 time.sleep(1)
         yield url
     finally:

@@ -6,10 +6,20 @@ import re
 import subprocess
 
 import pytest
-from mlflow.tracking import MlflowClient
 
 from memfit.tracking import default_tracking_uri
-from tests.conftest import FAST, ROOT, free_port, readme_command, run_train_py, served_runs, serving
+from tests.conftest import (
+    FAST,
+    ONE_WORKER,
+    ROOT,
+    finished_runs,
+    free_port,
+    readme_command,
+    readme_mlflow_ui,
+    run_train_py,
+    served_runs,
+    serving,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -19,13 +29,6 @@ def run_train(argv: list[str], tmp_path, cwd=ROOT, quiet=True) -> subprocess.Com
     out = run_train_py(*argv[2:], f"output_dir={tmp_path}", cwd=cwd, quiet=quiet)
     assert out.returncode == 0, out.stderr[-3000:]
     return out
-
-
-def finished_runs(output_dir) -> list:
-    client = MlflowClient(default_tracking_uri(str(output_dir)))
-    runs = client.search_runs([client.get_experiment_by_name("memfit").experiment_id])
-    assert runs and all(r.info.status == "FINISHED" for r in runs)
-    return runs
 
 
 def test_tiny_causal_example(tmp_path):
@@ -76,12 +79,9 @@ def test_a_policy_multirun_gives_comparable_runs_that_mlflow_ui_serves(tmp_path)
     assert sorted(r.data.tags["memfit.memory"] for r in runs) == ["balanced", "off", "tight"]
     assert all(r.data.metrics["summary/peak_allocated_gib"] > 0 for r in runs)
     assert {r.data.params["memory.gradient_checkpointing"] for r in runs} == {"True", "False"}
-    ui = readme_command("mlflow ui")
     port = free_port()
-    ui[ui.index("--port") + 1] = str(port)
-    ui[ui.index("--backend-store-uri") + 1] = default_tracking_uri(str(tmp_path))
-    assert ui[ui.index("--host") + 1] == "127.0.0.1"
-    with serving([*ui, "--workers", "1"], port, cwd=tmp_path) as url:
+    ui = readme_mlflow_ui(default_tracking_uri(str(tmp_path)), port)
+    with serving([*ui, *ONE_WORKER], port, cwd=tmp_path) as url:
         served = served_runs(url, runs[0].info.experiment_id)
     assert len(served) == 3
     keys = {m["key"] for m in served[0]["data"]["metrics"]}

@@ -15,7 +15,16 @@ import optuna
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import ROOT, free_port, mlflow_server, readme_command, serving, sweep_outputs, train_py_env
+from tests.conftest import (
+    ONE_WORKER,
+    ROOT,
+    free_port,
+    mlflow_server,
+    readme_command,
+    serving,
+    sweep_outputs,
+    train_py_env,
+)
 from tests.sweep.test_sweep import SMALL_SWEEP
 
 pytestmark = pytest.mark.slow
@@ -70,7 +79,7 @@ def _readme_mlflow_server(port: int, tmp_path) -> list[str]:
             "outputs/mlartifacts", f"{tmp_path}/mlartifacts"
         )
         for arg in command
-    ] + ["--workers", "1"]
+    ] + ONE_WORKER
 
 
 def _start(command: list[str], tmp_path, index: int) -> subprocess.Popen:
