@@ -10,7 +10,9 @@ optimizer) and reports peak allocated and reserved, the optimizer step's own pea
   `adamw_torch_fused` on CUDA) against a foreach `torch.optim.AdamW` over the same parameters;
 - frozen weights in bf16: qwen2_5_1_5b LoRA at batch 1 × 2048, `memory.frozen_dtype` fp32 against auto (bf16);
 - the loss knob: qwen2_5_1_5b LoRA at batch 4 × 2048 without checkpointing and pegasus_large at batch 4 × 1024 ×
-  1024, standard against chunked and fused (liger-kernel, where installed).
+  1024, standard against chunked and fused (liger-kernel, where installed);
+- the layer-kernels knob: qwen2_5_1_5b LoRA at 4 × 2048 with liger-kernel's RMSNorm and SwiGLU MLP
+  (`memory.layer_kernels=liger`), with the standard and the fused loss.
 
 Every number goes to --out as it is measured; `--cases` picks some;
 `--device cpu --model tiny_causal --scale 0.0625` smoke-runs it.
@@ -42,6 +44,18 @@ CASES = {
         "qwen2_5_1_5b",
         (4, 2048, 2048),
         ["memory.loss=fused", "model.lora.dropout=0.0"],
+        "run",
+    ),
+    "qwen_lora_4x2048_fused_liger_layers": (
+        "qwen2_5_1_5b",
+        (4, 2048, 2048),
+        ["memory.loss=fused", "memory.layer_kernels=liger"],
+        "run",
+    ),
+    "qwen_lora_4x2048_standard_liger_layers": (
+        "qwen2_5_1_5b",
+        (4, 2048, 2048),
+        ["memory.loss=standard", "memory.layer_kernels=liger"],
         "run",
     ),
     "pegasus_4x1024x1024_standard": ("pegasus_large", (4, 1024, 1024), ["memory.loss=standard"], "run"),

@@ -89,6 +89,58 @@ def test_a_run_with_the_fused_loss_trains(compose_cfg):
     assert report.final_loss == report.final_loss  # finite, not NaN
 
 
+def _loss_and_grads(compose_cfg, layer_kernels: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """tiny_causal (Qwen2 with LoRA) in fp32 and eval mode (no dropout), seeded, over one padded batch."""
+    from memfit.data import CountingCollator
+    from memfit.models import build_model, build_tokenizer
+    from tests.conftest import FAST
+
+    tokenizer_override = [o for o in GPU_RUN if o.startswith("model.tokenizer=")]
+    overrides = ("model=tiny_causal", *tokenizer_override, *FAST, "memory.precision=fp32")
+    cfg = compose_cfg(*overrides, f"memory.layer_kernels={layer_kernels}")
+    tokenizer = build_tokenizer(cfg.model)
+    torch.manual_seed(0)
+    model = build_model(cfg, tokenizer, "cuda").model.eval()
+    texts = ["a short sample", "a somewhat longer sample with more words in it than the first"]
+    features = [{"input_ids": ids, "labels": ids, "attention_mask": [1] * len(ids)}
+                for ids in (tokenizer(text)["input_ids"] for text in texts)]  # fmt: skip
+    batch = {k: v.cuda() for k, v in CountingCollator(tokenizer, None, "causal")(features).items()}
+    loss = model(**batch).loss
+    return loss, list(torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad]))
+
+
+def test_liger_layer_kernels_give_the_standard_loss_and_gradients_and_patch_only_their_instance(compose_cfg):
+    pytest.importorskip("liger_kernel")
+    from transformers.models.qwen2 import modeling_qwen2
+
+    classes = (modeling_qwen2.Qwen2RMSNorm, modeling_qwen2.Qwen2MLP)
+    want_loss, want = _loss_and_grads(compose_cfg, "standard")
+    loss, got = _loss_and_grads(compose_cfg, "liger")
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    for have, expected in zip(got, want, strict=True):
+        torch.testing.assert_close(have, expected, rtol=1e-4, atol=1e-5)
+    assert (modeling_qwen2.Qwen2RMSNorm, modeling_qwen2.Qwen2MLP) == classes  # later builds get transformers' own
+
+
+def test_liger_layers_on_a_family_liger_has_no_kernels_for_is_one_line_before_the_build(compose_cfg):
+    pytest.importorskip("liger_kernel")
+    from memfit.preconditions import check_layer_kernels
+
+    assert check_layer_kernels(compose_cfg(*GPU_RUN, "memory.layer_kernels=liger")) == [
+        "memory.layer_kernels=liger: liger-kernel has no kernels for tiny_seq2seq (model_type bart): "
+        "use memory.layer_kernels=standard or auto"
+    ]
+
+
+def test_tight_on_cuda_trains_a_causal_lm_with_liger_layers_and_records_it(compose_cfg):
+    pytest.importorskip("liger_kernel")
+    cfg = compose_cfg(*GPU_RUN, "model=tiny_causal", "memory=tight", "trainer.batch_size=4")
+    report = run(cfg)
+    assert report.status == "ok" and report.steps == 3, report.reason
+    params = MlflowClient(default_tracking_uri(cfg.output_dir)).get_run(report.run_id).data.params
+    assert params["memory.layer_kernels"] == "liger" and params["memory.loss"] == "fused"
+
+
 @pytest.mark.parametrize("loss", ["standard", "chunked"])
 def test_no_training_step_peaks_above_what_the_preflight_measured_in_bf16(compose_cfg, loss):
     """The probe runs the forward as accelerate wraps it for training (autocast, outputs copied to float32): a bf16

@@ -207,6 +207,18 @@ class BuiltModel:
     trainable_params: int
 
 
+def model_type(model_cfg: DictConfig) -> str | None:
+    """The family the config builds (a transformers config's `model_type`), read without building it: a local
+    checkpoint's config.json, else the architecture's values."""
+    from memfit.config.local_model import checkpoint_config
+
+    if model_cfg.name_or_path:
+        return (checkpoint_config(model_cfg.name_or_path) or {}).get("model_type")
+    if model_cfg.source == "bert2bert":
+        return "encoder-decoder"
+    return model_cfg.architecture.get("model_type")
+
+
 def stored_dtype(model_cfg: DictConfig, memory: DictConfig) -> str:
     """The dtype the model's weights are stored in: a full fine-tune's memory.weights_dtype; under LoRA, whose base
     weights are frozen and need no fp32 master copy, memory.frozen_dtype, where auto is bf16 when the step runs in
@@ -242,6 +254,11 @@ def build_model(cfg: DictConfig, tokenizer: Any, device: str) -> BuiltModel:
             model = _quantize_random_to_4bit(model)
     if not memory.load_in_4bit:
         model = model.to(device)
+    if memory.layer_kernels == "liger":  # before LoRA wraps the projections the patched MLP calls
+        from memfit.memory.kernels import apply_liger_layers
+
+        apply_liger_layers(model)
+        log.info("memory.layer_kernels=liger: liger-kernel's RMSNorm and SwiGLU MLP in %s", model_cfg.name)
     if model_cfg.lora.enabled:
         model = _apply_lora(model, model_cfg, memory)
     if memory.gradient_checkpointing:

@@ -134,6 +134,11 @@ BAD = [
     ),
     (["memory.optimizer=adamw_8bit", "trainer.device=cpu"], "memory.optimizer=adamw_8bit needs a CUDA GPU"),
     (["memory.loss=fused", "trainer.device=cpu"], "memory.loss=fused needs a CUDA GPU: use memory.loss=chunked"),
+    (
+        ["memory.layer_kernels=liger", "trainer.device=cpu"],
+        "memory.layer_kernels=liger needs a CUDA GPU: use memory.layer_kernels=standard",
+    ),
+    (["memory.layer_kernels=triton"], "memory.layer_kernels='triton' is not one of"),
     (["trainer.max_steps=0"], "trainer.max_steps/num_train_epochs give no training"),
     (["data.targets=[summary]"], "data.targets has 'summary'"),
 ]
@@ -154,6 +159,12 @@ def test_bad_values_name_the_field(compose_cfg, overrides, expected):
             ["memory.loss=fused"],
             "liger_kernel",
             "memory.loss=fused needs liger-kernel: pip install 'memfit[gpu]', or use memory.loss=chunked",
+        ),
+        (
+            ["memory.layer_kernels=liger"],
+            "liger_kernel",
+            "memory.layer_kernels=liger needs liger-kernel: pip install 'memfit[gpu]', or use "
+            "memory.layer_kernels=standard",
         ),
         (
             ["memory.optimizer=adamw_8bit"],

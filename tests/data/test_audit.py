@@ -19,6 +19,19 @@ def test_worst_batch_pairs_longest_source_with_longest_label():
     assert worst_batches(source, label, 2, "causal", 8) == [BatchShape(2, 512, 512)]
 
 
+def test_a_larger_batch_than_the_configured_one_is_bounded_by_the_longest_source_and_label_together():
+    """A largest-batch search from a configured batch of 1 probes batch 6 at 6 × longest source × longest label,
+    not at the single worst sample's shape (on an H200 the latter found batch 6 fitting pegasus_large under
+    24 GiB, whose own preflight at batch 6 then measured it 0.18 GiB over the limit)."""
+    source, label = np.array([1024, 100, 20]), np.array([40, 896, 7])
+    kept = np.ones(3, dtype=bool)
+    audit = audit_lengths(
+        source, label, kept, task="seq2seq", max_source=1024, max_label=1024, batch=1, multiple=8, sampler="random"
+    )
+    assert audit.worst_at(1) == max(audit.worst_train, key=lambda s: s.tokens) == BatchShape(1, 1024, 40)
+    assert audit.worst_at(6) == BatchShape(6, 1024, 896)
+
+
 def test_audit_counts_truncation_drops_and_coverage():
     source, label = np.array([10, 20, 30, 40]), np.array([5, 5, 5, 85])
     kept = np.array([True, True, True, False])

@@ -24,6 +24,8 @@ FROZEN_DTYPES = ("auto", "fp32", "bf16")
 WEIGHT_DTYPES = ("fp32", "bf16")
 OPTIMIZERS = ("adamw", "adamw_8bit", "adafactor")
 LOSSES = ("standard", "chunked", "fused", "auto")  # memfit.memory.loss; auto: memfit.memory.policy.resolve_loss
+# memfit.models.apply_layer_kernels; auto: memfit.memory.policy.resolve_layer_kernels
+LAYER_KERNELS = ("standard", "liger", "auto")
 DEVICES = ("auto", "cpu", "cuda")
 TRACKING_BACKENDS = ("mlflow", "none")
 CALIBRATION_SETTINGS = ("auto", "true", "false")
@@ -137,6 +139,15 @@ class MemoryConfig:
         on_cpu="use memory.loss=chunked (liger-kernel's fused kernel needs CUDA)",
         package="liger_kernel",
         without_package="use memory.loss=chunked",
+    )
+    layer_kernels: str = knob(
+        "standard",
+        step=True,
+        applied_by="model",
+        cuda_only=("liger",),
+        on_cpu="use memory.layer_kernels=standard (liger-kernel's kernels need CUDA)",
+        package="liger_kernel",
+        without_package="use memory.layer_kernels=standard",
     )
     load_in_4bit: bool = knob(
         False,

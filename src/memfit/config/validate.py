@@ -17,6 +17,7 @@ from memfit.config.schema import (
     CALIBRATION_SETTINGS,
     DEVICES,
     FROZEN_DTYPES,
+    LAYER_KERNELS,
     LOSSES,
     MODEL_SOURCES,
     OPTIMIZERS,
@@ -95,6 +96,7 @@ def _validate_memory(cfg: DictConfig, problems: list[str]) -> None:
     _choice(problems, "memory.frozen_dtype", mem.frozen_dtype, FROZEN_DTYPES)
     _choice(problems, "memory.optimizer", mem.optimizer, OPTIMIZERS)
     _choice(problems, "memory.loss", mem.loss, LOSSES)
+    _choice(problems, "memory.layer_kernels", mem.layer_kernels, LAYER_KERNELS)
     _positive(problems, "memory.pad_to_multiple_of", mem.pad_to_multiple_of, "use 8 (tensor cores) or null")
     _positive(problems, "memory.eval_batch_size", mem.eval_batch_size, "use a positive batch or null")
     _positive(problems, "memory.empty_cache_steps", mem.empty_cache_steps, "use a positive step count or null")

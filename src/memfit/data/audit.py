@@ -73,6 +73,17 @@ class LengthAudit:
     worst_train: list[BatchShape] = field(default_factory=list)  # the candidates a preflight must probe
     worst_eval: BatchShape | None = None
     sampler: str = "random"
+    # the shape bounding every batch of two or more rows (longest source and longest label together), whatever
+    # the configured batch: a largest-batch search probes it at each batch above 1
+    worst_of_rows: BatchShape | None = None
+
+    def worst_at(self, batch: int) -> BatchShape:
+        """The padded shape that bounds every training batch of `batch` rows: at one row the largest single
+        sample, at more the longest source and the longest label together."""
+        if batch >= 2 and self.worst_of_rows is not None:
+            return BatchShape(batch, self.worst_of_rows.source, self.worst_of_rows.label)
+        worst = max(self.worst_train, key=lambda s: s.tokens)
+        return BatchShape(batch, worst.source, worst.label)
 
     def metrics(self) -> dict[str, float]:
         """Flat numbers for MLflow (audit/...)."""
@@ -173,6 +184,7 @@ def audit_lengths(
         worst_train=worst_batches(source_cut, label_cut, batch, task, multiple),
         worst_eval=worst_eval,
         sampler=sampler,
+        worst_of_rows=next(iter(worst_batches(source_cut, label_cut, 2, task, multiple)), None),
     )
 
 

@@ -34,7 +34,7 @@ class _BatchProbes:
     """The largest-batch search's probes of one worst shape: what each batch measured and how long it took."""
 
     setup: ProbeSetup
-    shape: BatchShape
+    shape_at: Callable[[int], BatchShape]
     limit: int
     on_probe: Callable[[int], None] | None
     measured: dict[int, Probe]
@@ -63,7 +63,7 @@ class _BatchProbes:
             self.on_probe(batch)
         self.search.probed.append(batch)
         began = time.perf_counter()
-        probes = probe(self.setup, BatchShape(batch, self.shape.source, self.shape.label))
+        probes = probe(self.setup, self.shape_at(batch))
         self.seconds[batch] = time.perf_counter() - began
         self.measured[batch] = probes[0]
         return fits(probes, self.limit)
@@ -105,17 +105,19 @@ def search_largest(batch_fits: Callable[[int], bool], first: int, upper: int, st
 
 def find_max_batch(
     setup: ProbeSetup,
-    shape: BatchShape,
+    shape_at: Callable[[int], BatchShape],
     limit: int,
     upper: int,
     on_probe: Callable[[int], None] | None = None,
     measured: dict[int, Probe] | None = None,
     max_seconds: float | None = None,
     predicted: int | None = None,
+    first: int = 1,
 ) -> BatchSearch:
-    """The largest batch whose worst case fits, always on the worst shape: from the memory model's `predicted`
-    largest batch in steps of an eighth of it, or doubling from the shape's batch without a prediction, then
-    bisection (search_largest). `on_probe` is told each batch size before it is probed (the progress bar);
+    """The largest batch whose worst case fits, each batch probed at its own worst shape (`shape_at`: a batch of one
+    row holds one sample, a larger one the longest source and label together): from the memory model's `predicted`
+    largest batch in steps of an eighth of it, or doubling from `first` without a prediction, then bisection
+    (search_largest). `on_probe` is told each batch size before it is probed (the progress bar);
     `measured` collects each batch's train probe.
 
     A batch that the last fitting probe, scaled linearly in batch size, puts well over the limit is taken as not
@@ -124,11 +126,11 @@ def find_max_batch(
     search past that many seconds is not run: on CPU a probe of hundreds of rows takes minutes.
     """
     found = BatchSearch(None)
-    probes = _BatchProbes(setup, shape, limit, on_probe, {} if measured is None else measured, max_seconds, found)
+    probes = _BatchProbes(setup, shape_at, limit, on_probe, {} if measured is None else measured, max_seconds, found)
     if predicted:
         first, step = predicted, max(1, predicted // 8)
     else:
-        first = step = max(1, shape.batch)
+        first = step = max(1, first)
     with contextlib.suppress(_OutOfTime):
         search_largest(probes.fits, first, upper, step, found)
     return found

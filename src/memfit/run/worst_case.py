@@ -181,7 +181,8 @@ def _max_batch(ctx: RunContext, probes: Any, report: Any, calibration: Any) -> t
     from memfit.memory.batch_search import find_max_batch
     from memfit.progress import progress_bar
 
-    worst_shape = max(ctx.prepared.audit.worst_train, key=lambda s: s.tokens)
+    audit = ctx.prepared.audit
+    worst_shape = audit.worst_at(2)  # what the memory model predicts for: any batch of two or more rows
     samples = len(ctx.prepared.datasets["train"])
     upper = min(ctx.cfg.preflight.max_batch_limit, samples)
     measured: dict[int, Any] = {}
@@ -192,13 +193,14 @@ def _max_batch(ctx: RunContext, probes: Any, report: Any, calibration: Any) -> t
     with progress_bar("max batch search", None) as show:
         search = find_max_batch(
             probes,
-            worst_shape,
+            audit.worst_at,
             report.limit_bytes,
             upper,
             on_probe=lambda batch: show(advance=1, note=f"probing batch {batch}"),
             measured=measured,
             max_seconds=bound,
             predicted=predicted,
+            first=ctx.cfg.trainer.batch_size,
         )
         show(note=f"largest fitting batch {search.largest}")
     start = f"the memory model's prediction, {predicted}" if predicted else "the configured batch, doubling"
