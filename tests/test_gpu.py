@@ -124,9 +124,11 @@ def test_liger_layer_kernels_give_the_standard_loss_and_gradients_and_patch_only
 
 def test_liger_layers_on_a_family_liger_has_no_kernels_for_is_one_line_before_the_build(compose_cfg):
     pytest.importorskip("liger_kernel")
-    from memfit.preconditions import check_layer_kernels
+    from memfit.config import ConfigError
 
-    assert check_layer_kernels(compose_cfg(*GPU_RUN, "memory.layer_kernels=liger")) == [
+    with pytest.raises(ConfigError) as err:
+        run(compose_cfg(*GPU_RUN, "memory.layer_kernels=liger"))
+    assert err.value.problems == [
         "memory.layer_kernels=liger: liger-kernel has no kernels for tiny_seq2seq (model_type bart): "
         "use memory.layer_kernels=standard or auto"
     ]

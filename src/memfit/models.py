@@ -10,7 +10,10 @@ Models without their own tokenizer use that package's BERT WordPiece tokenizer (
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import inspect
 import logging
+import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -255,8 +258,6 @@ def build_model(cfg: DictConfig, tokenizer: Any, device: str) -> BuiltModel:
     if not memory.load_in_4bit:
         model = model.to(device)
     if memory.layer_kernels == "liger":  # before LoRA wraps the projections the patched MLP calls
-        from memfit.memory.kernels import apply_liger_layers
-
         apply_liger_layers(model)
         log.info("memory.layer_kernels=liger: liger-kernel's RMSNorm and SwiGLU MLP in %s", model_cfg.name)
     if model_cfg.lora.enabled:
@@ -269,3 +270,67 @@ def build_model(cfg: DictConfig, tokenizer: Any, device: str) -> BuiltModel:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     random_weights = model_cfg.source == "random" and not model_cfg.name_or_path
     return BuiltModel(model, tokenizer, random_weights, total, trainable)
+
+
+# memory.layer_kernels (applied here, at the build): liger-kernel's Triton kernels for a decoder's RMSNorm and SwiGLU
+# MLP.
+#
+# A causal LM without gradient checkpointing keeps, per layer, what its norms and MLP save for the backward pass:
+# the norms' float32 copies of the hidden states, and the MLP's gate and up projections, the gate's SiLU and their
+# product, each tokens × intermediate size. Liger's RMSNorm keeps only its input and the inverse RMS; its SwiGLU keeps
+# the two projections and recomputes the SiLU and the product in the backward pass. For qwen2_5_1_5b LoRA at 4 × 2048
+# that is the largest part of the activations (benchmarks/README.md, step_variants_gpu.py).
+#
+# Liger patches a model instance's modules in place, and also swaps its family's RMSNorm and MLP classes in the
+# transformers module, which would change every model of that family built later in the process (a sweep's in-process
+# trials, the tests); memfit puts those module names back, so only the instance it was given changes. RoPE is left
+# as transformers has it: Liger's is a module-level function, so it cannot be applied to one instance alone, and it
+# saves time rather than memory. The loss is memory.loss's concern (memfit.memory.loss), not this knob's.
+
+
+def _liger_patchers() -> dict[str, Any]:
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    return MODEL_TYPE_TO_APPLY_LIGER_FN
+
+
+def liger_supports(family: str | None) -> bool:
+    """Whether liger-kernel is installed and patches this model family (a config's `model_type`)."""
+    if family is None or importlib.util.find_spec("liger_kernel") is None:
+        return False
+    return family in _liger_patchers()
+
+
+def check_layer_kernels(layer_kernels: str, model_name: str, family: str | None) -> list[str]:
+    """memory.layer_kernels=liger on a model family liger-kernel has kernels for (where it is installed: without it,
+    validation already named the package)."""
+    if layer_kernels != "liger" or importlib.util.find_spec("liger_kernel") is None or liger_supports(family):
+        return []
+    return [
+        f"memory.layer_kernels=liger: liger-kernel has no kernels for {model_name} (model_type {family}): "
+        "use memory.layer_kernels=standard or auto"
+    ]
+
+
+def resolve_layer_kernels(memory: DictConfig, family: str | None, device: str) -> str | None:
+    """memory.layer_kernels=auto → liger where liger-kernel patches this model family's layers, on CUDA with
+    liger-kernel installed; else standard. Sets the knob and returns what it chose, or None where it was not auto."""
+    if memory.layer_kernels != "auto":
+        return None
+    memory.layer_kernels = "liger" if device == "cuda" and liger_supports(family) else "standard"
+    return memory.layer_kernels
+
+
+def apply_liger_layers(model: Any) -> None:
+    """Liger's RMSNorm and SwiGLU MLP on this model instance's layers, nothing else: no RoPE, no loss, and the
+    family's classes in its transformers module as they were."""
+    patch = _liger_patchers()[model.config.model_type]  # the run checked the family before the build
+    wanted = {"rope": False, "cross_entropy": False, "fused_linear_cross_entropy": False, "rms_norm": True,
+              "swiglu": True, "geglu": True}  # fmt: skip
+    accepted = inspect.signature(patch).parameters
+    module = sys.modules[type(model).__module__]
+    before = dict(vars(module))
+    patch(model=model, **{name: value for name, value in wanted.items() if name in accepted})
+    for name, value in before.items():
+        if vars(module).get(name) is not value:
+            setattr(module, name, value)

@@ -134,31 +134,11 @@ def check_budget(cfg: DictConfig, device: str, device_bytes: int) -> list[str]:
     ]
 
 
-def check_layer_kernels(cfg: DictConfig) -> list[str]:
-    """memory.layer_kernels=liger on a model family liger-kernel has kernels for (where it is installed: without it,
-    validation already named the package)."""
-    import importlib.util
-
-    if cfg.memory.layer_kernels != "liger" or importlib.util.find_spec("liger_kernel") is None:
-        return []
-    from memfit.memory.kernels import liger_supports
-    from memfit.models import model_type
-
-    family = model_type(cfg.model)
-    if liger_supports(family):
-        return []
-    return [
-        f"memory.layer_kernels=liger: liger-kernel has no kernels for {cfg.model.name} (model_type {family}): "
-        "use memory.layer_kernels=standard or auto"
-    ]
-
-
 def check_before_run(cfg: DictConfig) -> None:
     """The checks that need no device: raise ConfigError with every problem."""
     problems = check_output_dir(cfg.output_dir, cfg.min_free_disk_gib)
     problems += check_tracking_uri(cfg.tracking) or check_tracking_server(cfg)
     problems += check_lora_targets(cfg)
-    problems += check_layer_kernels(cfg)
     if problems:
         raise ConfigError(problems)
 

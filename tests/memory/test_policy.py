@@ -86,34 +86,3 @@ def test_the_auto_loss_is_the_measured_best_for_the_model_family(monkeypatch, ta
     assert policy.resolve_loss(memory, task, device) == expected
     assert memory.loss == expected  # the run and everything after it (calibration key, params) see the choice
     assert policy.resolve_loss(OmegaConf.create({"loss": "standard"}), task, device) is None  # a choice is kept
-
-
-@pytest.mark.parametrize(
-    ("model_type", "device", "liger_installed", "expected"),
-    [
-        ("qwen2", "cuda", True, "liger"),  # a family liger-kernel patches
-        ("pegasus", "cuda", True, "standard"),  # no liger kernels for it
-        ("qwen2", "cuda", False, "standard"),  # no gpu extra
-        ("qwen2", "cpu", True, "standard"),  # Triton: CUDA only
-        (None, "cuda", True, "standard"),  # a family memfit cannot tell before the build
-    ],
-)
-def test_auto_layer_kernels_are_liger_only_where_liger_patches_the_family_on_cuda(
-    monkeypatch, model_type, device, liger_installed, expected
-):
-    import importlib.util
-
-    from memfit.memory import kernels
-
-    real = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util,
-        "find_spec",
-        lambda name, *a: (object() if liger_installed else None) if name == "liger_kernel" else real(name, *a),
-    )
-    # liger-kernel (Triton) is not installed on a CPU machine: its family table, as its monkey_patch module keys it
-    monkeypatch.setattr(kernels, "_liger_patchers", lambda: {"qwen2": None, "llama": None})
-    memory = OmegaConf.create({"layer_kernels": "auto"})
-    assert policy.resolve_layer_kernels(memory, model_type, device) == expected
-    assert memory.layer_kernels == expected
-    assert policy.resolve_layer_kernels(OmegaConf.create({"layer_kernels": "liger"}), "qwen2", "cpu") is None

@@ -24,7 +24,7 @@ FROZEN_DTYPES = ("auto", "fp32", "bf16")
 WEIGHT_DTYPES = ("fp32", "bf16")
 OPTIMIZERS = ("adamw", "adamw_8bit", "adafactor")
 LOSSES = ("standard", "chunked", "fused", "auto")  # memfit.memory.loss; auto: memfit.memory.policy.resolve_loss
-# memfit.models.apply_layer_kernels; auto: memfit.memory.policy.resolve_layer_kernels
+# memfit.models.apply_liger_layers; auto: memfit.models.resolve_layer_kernels
 LAYER_KERNELS = ("standard", "liger", "auto")
 DEVICES = ("auto", "cpu", "cuda")
 TRACKING_BACKENDS = ("mlflow", "none")

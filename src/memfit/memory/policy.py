@@ -78,18 +78,6 @@ def resolve_loss(memory: DictConfig, task: str, device: str) -> str | None:
     return memory.loss
 
 
-def resolve_layer_kernels(memory: DictConfig, model_type: str | None, device: str) -> str | None:
-    """memory.layer_kernels=auto → liger where liger-kernel patches this model family's layers (its RMSNorm and
-    SwiGLU MLP), on CUDA with liger-kernel installed; else standard. Sets the knob and returns what it chose, or
-    None where it was not auto."""
-    if memory.layer_kernels != "auto":
-        return None
-    from memfit.memory.kernels import liger_supports
-
-    memory.layer_kernels = "liger" if device == "cuda" and liger_supports(model_type) else "standard"
-    return memory.layer_kernels
-
-
 def apply_attention_kernels(memory: DictConfig, device: str) -> None:
     """Whether scaled-dot-product attention may use cuDNN's kernel. cuDNN builds a plan for each new input shape,
     a host-side cost of a step that meets one, and length-grouped batches padded to a multiple of 8 meet dozens of

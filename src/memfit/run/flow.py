@@ -16,7 +16,6 @@ from memfit.memory.policy import (
     fall_back_to_fp32_on_slow_cpu,
     pin_one_gpu,
     resolve_device,
-    resolve_layer_kernels,
     resolve_loss,
 )
 from memfit.run.batch_plan import plan_batches
@@ -56,7 +55,7 @@ def _start(cfg: DictConfig, clock: StartupClock, callbacks: tuple[Any, ...] = ()
     from memfit.data import load_and_tokenize
     from memfit.memory.meter import make_meter
     from memfit.memory.policy import apply_attention_kernels, apply_budget
-    from memfit.models import build_tokenizer, model_type
+    from memfit.models import build_tokenizer, check_layer_kernels, model_type, resolve_layer_kernels
     from memfit.tracking import start_tracking
 
     device = resolve_device(cfg)
@@ -72,6 +71,8 @@ def _start(cfg: DictConfig, clock: StartupClock, callbacks: tuple[Any, ...] = ()
     family = model_type(cfg.model)
     if kernels := resolve_layer_kernels(cfg.memory, family, device):
         log.info("memory.layer_kernels=auto: %s for model_type %s on %s", kernels, family, device)
+    if problems := check_layer_kernels(cfg.memory.layer_kernels, cfg.model.name, family):
+        raise ConfigError(problems)
     set_seed(cfg.trainer.seed)
     clock.lap("checks")
     tokenizer = build_tokenizer(cfg.model)
