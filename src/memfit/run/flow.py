@@ -40,6 +40,20 @@ def _log_audit(ctx: RunContext, audit_seconds: float) -> None:
         tracker.log_artifact(path, "audit")
 
 
+def _resolve_kernels(cfg: DictConfig, device: str) -> None:
+    """memory.loss and memory.layer_kernels: `auto` becomes what the H200 measurements favour for this model on this
+    device (logged); liger's layer kernels on a family liger has none for stop the run before anything is recorded."""
+    from memfit.models import check_layer_kernels, model_type, resolve_layer_kernels
+
+    if loss := resolve_loss(cfg.memory, cfg.model.task, device):
+        log.info("memory.loss=auto: %s for a %s model on %s", loss, cfg.model.task, device)
+    family = model_type(cfg.model)
+    if kernels := resolve_layer_kernels(cfg.memory, family, device):
+        log.info("memory.layer_kernels=auto: %s for model_type %s on %s", kernels, family, device)
+    if problems := check_layer_kernels(cfg.memory.layer_kernels, cfg.model.name, family):
+        raise ConfigError(problems)
+
+
 def _start(cfg: DictConfig, clock: StartupClock, callbacks: tuple[Any, ...] = ()) -> RunContext:
     """Checks, device, tokenizer, data and its audit, the budget cap and the MLflow run: bad input raises before any
     model load or record."""
@@ -55,7 +69,7 @@ def _start(cfg: DictConfig, clock: StartupClock, callbacks: tuple[Any, ...] = ()
     from memfit.data import load_and_tokenize
     from memfit.memory.meter import make_meter
     from memfit.memory.policy import apply_attention_kernels, apply_budget
-    from memfit.models import build_tokenizer, check_layer_kernels, model_type, resolve_layer_kernels
+    from memfit.models import build_tokenizer
     from memfit.tracking import start_tracking
 
     device = resolve_device(cfg)
@@ -66,13 +80,7 @@ def _start(cfg: DictConfig, clock: StartupClock, callbacks: tuple[Any, ...] = ()
             "this CPU has no fast bf16 (no AVX-512): training in fp32, not bf16 (%s); memory measured is fp32's",
             ", ".join(f"memory.{knob}" for knob in changed),
         )
-    if loss := resolve_loss(cfg.memory, cfg.model.task, device):
-        log.info("memory.loss=auto: %s for a %s model on %s", loss, cfg.model.task, device)
-    family = model_type(cfg.model)
-    if kernels := resolve_layer_kernels(cfg.memory, family, device):
-        log.info("memory.layer_kernels=auto: %s for model_type %s on %s", kernels, family, device)
-    if problems := check_layer_kernels(cfg.memory.layer_kernels, cfg.model.name, family):
-        raise ConfigError(problems)
+    _resolve_kernels(cfg, device)
     set_seed(cfg.trainer.seed)
     clock.lap("checks")
     tokenizer = build_tokenizer(cfg.model)
