@@ -304,7 +304,7 @@ def liger_supports(family: str | None) -> bool:
 def check_layer_kernels(layer_kernels: str, model_name: str, family: str | None) -> list[str]:
     """memory.layer_kernels=liger on a model family liger-kernel has kernels for (where it is installed: without it,
     validation already named the package)."""
-    if layer_kernels != "liger" or importlib.util.find_spec("liger_kernel") is None or liger_supports(family):
+    if layer_kernels != "liger" or importlib.util.find_spec("liger_kernel") is None or family in _liger_patchers():
         return []
     return [
         f"memory.layer_kernels=liger: liger-kernel has no kernels for {model_name} (model_type {family}): "
