@@ -160,8 +160,7 @@ def run(args: argparse.Namespace) -> None:
     command = [
         *sweep_command(args, data, work / "outputs", work / "sweep", work / "presets"),
         devices_override,
-        f"hydra.sweeper.prestart={str(args.prestart).lower()}",
-        f"hydra.sweeper.prestart_ahead={args.prestart_ahead}",
+        f"hydra.sweeper.fork_trials={str(args.fork_trials).lower()}",
         f"hydra.sweeper.pin_cores={str(args.pin_cores).lower()}",
     ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
@@ -191,8 +190,7 @@ def run(args: argparse.Namespace) -> None:
         "devices": devices,
         "n_trials": args.n_trials,
         "space": args.space or SPACES[args.model],
-        "prestart": args.prestart,
-        "prestart_ahead": args.prestart_ahead,
+        "fork_trials": args.fork_trials,
         "pin_cores": args.pin_cores,
         "seed": args.seed,
         "exit_code": done.returncode,
@@ -228,9 +226,9 @@ def summarise(args: argparse.Namespace) -> None:
     print(
         "| run | GPUs | trials run | wall s | trials/hour | speed-up | first trial after s"
         " | trials/hour, first trial start to last trial end | speed-up | mean trial s | slot idle"
-        " | SM idle (per GPU) | trials that waited for their standby's imports (mean wait s) |"
+        " | SM idle (per GPU) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     base = steady_base = None
     for path, r in zip(args.files, results, strict=True):
         ran = ran_trials(r)
@@ -245,7 +243,7 @@ def summarise(args: argparse.Namespace) -> None:
             f"| {Path(path).stem} | {len(r['devices'])} | {len(ran)} | {r['wall_s']:.0f} | {per_hour:.1f} "
             f"| {per_hour / base:.2f}× | {r['first_trial_after_s']:.1f} | {steady:.1f} | {steady / steady_base:.2f}× "
             f"| {sum(t['end'] - t['start'] for t in ran) / len(ran):.1f} "
-            f"| {1 - busy / (r['wall_s'] * len(r['devices'])):.0%} | {sm} | {standby_waits(r)} |"
+            f"| {1 - busy / (r['wall_s'] * len(r['devices'])):.0%} | {sm} |"
         )
     print("\n| run | trials | mean s | to first log | model build | preflight | training | exit |")
     print("|---|---|---|---|---|---|---|---|")
@@ -300,20 +298,6 @@ def startup_phases(lines: list[str]) -> dict[str, float]:
     return {}
 
 
-def standby_waits(result: dict) -> str:
-    """How many prestarted trials waited for their standby's imports, from the trial logs' `standby:` lines."""
-    waits = []
-    for lines in result.get("trial_logs", {}).values():
-        for line in lines:
-            if "[memfit.standby]" in line:
-                found = re.search(r"waited ([\d.]+) s", line)
-                waits.append(float(found.group(1)) if found else 0.0)
-    if not waits:
-        return "–"
-    waited = [w for w in waits if w > 0]
-    return f"{len(waited)}/{len(waits)} ({sum(waited) / max(len(waited), 1):.1f})"
-
-
 CONTENTION_CONFIG = (8, 768, 384)
 CONTENTION_VARIANTS = {  # name: (devices, extra environment, pin each process to its half of the cores)
     "alone": (["0"], {}, False),
@@ -334,7 +318,7 @@ def log_phases(log: Path, started: float, ended: float) -> dict[str, float | Non
 def log_phases_from(lines: list[str], started: float, ended: float) -> dict[str, float | None]:
     stamps = {}
     for line in lines:
-        if not line.startswith("[20") or "[memfit.standby]" in line:  # the standby's line comes before the trial's
+        if not line.startswith("[20") or "[memfit.standby]" in line:  # a standby's line (runs before session 22)
             continue
         when = datetime.strptime(line[1:24], "%Y-%m-%d %H:%M:%S,%f").timestamp()
         stamps.setdefault("first_log", when)
@@ -434,8 +418,7 @@ def main() -> None:
     r.add_argument(
         "--segment-steps", type=int, default=5, help="each trial's training segment (5 in every recorded run)"
     )
-    r.add_argument("--no-prestart", dest="prestart", action="store_false", help="hydra.sweeper.prestart=false")
-    r.add_argument("--prestart-ahead", type=int, default=2, help="hydra.sweeper.prestart_ahead (the sweeper's default)")
+    r.add_argument("--no-fork", dest="fork_trials", action="store_false", help="hydra.sweeper.fork_trials=false")
     r.add_argument("--pin-cores", action="store_true", help="hydra.sweeper.pin_cores=true")
     r.add_argument("--out", required=True)
     r.add_argument("--work", default="/tmp/memfit-multi-gpu")

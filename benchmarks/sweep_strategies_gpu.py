@@ -321,7 +321,7 @@ class TableTrials:
         kept = self.calibrations / Path(measured).name if self.calibrations and measured else None
         return str(kept) if kept and kept.exists() else None
 
-    def launch(self, batch: list[list[str]], first_job: int, standby: int = 0) -> list:
+    def launch(self, batch: list[list[str]], first_job: int) -> list:
         from memfit.sweep.trials import TrialResult
 
         results = []
@@ -542,6 +542,7 @@ def sweep_command(args: argparse.Namespace, data: Path, outputs: Path, sweep_dir
         f"budget.gib={args.budget:g}",
         *([f"trainer.max_steps={steps}"] if steps else []),
         *([f"hydra.sweeper.segment_micro_batches={micro}"] if micro else []),
+        *([] if getattr(args, "fork_trials", True) else ["hydra.sweeper.fork_trials=false"]),
         f"hydra.sweeper.n_trials={args.n_trials}",
         f"hydra.sweeper.seed={args.seed}",
         *([] if getattr(args, "recipe", False) else searched),
@@ -631,6 +632,8 @@ def live(args: argparse.Namespace) -> None:
         "n_trials": args.n_trials,
         "seed": args.seed,
         "devices": args.devices,
+        "fork_trials": args.fork_trials,
+        "segment_micro_batches": args.segment_micro_batches,
         "exit_code": done.returncode,
         "wall_s": wall,
         "results": results,
@@ -641,7 +644,7 @@ def live(args: argparse.Namespace) -> None:
         out["preset_pass"] = preset_pass(args, path, max(presets.glob("*.yaml"), key=lambda p: p.stat().st_mtime))
     Path(args.out).write_text(json.dumps(out, indent=1, default=str))
     print(json.dumps({k: out[k] for k in ("exit_code", "wall_s")}), results.get("best_params"), flush=True)
-    if results.get("best_params") and not args.recipe:
+    if results.get("best_params") and not args.recipe and not args.sweep_only:
         best = results["best_params"]
         plan = [{"model": args.model, "budget": args.budget, "who": "memfit", "config": [best[k] for k in KEYS]}]
         (work / "live_plan.json").write_text(json.dumps(plan))
@@ -699,6 +702,8 @@ def main() -> None:
         "on issue 27's long tail (1%% of 400 targets 600-1,200 words), then a full epoch of the exported preset",
     )
     v.add_argument("--segment-micro-batches", type=int, default=None, help="hydra.sweeper.segment_micro_batches")
+    v.add_argument("--no-fork", dest="fork_trials", action="store_false", help="hydra.sweeper.fork_trials=false")
+    v.add_argument("--sweep-only", action="store_true", help="no full pass of the pick after the sweep")
     v.add_argument("--out", required=True)
     v.add_argument("--work", default="/tmp/memfit-strategies")
     v.add_argument("--tokenizer", default=None)

@@ -86,7 +86,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
         "model": args.model,
-        "prestart": True,  # the sweeper's default since session 6: each trial's process imported before its trial
+        "fork_trials": True,  # the sweeper's default since session 22: each trial forked from the fork server
         "sweeps": [],
     }
     with tempfile.TemporaryDirectory() as tmp:

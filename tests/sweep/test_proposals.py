@@ -25,11 +25,11 @@ def _trial(number: int, params: dict, status: str, memory_gib: float, value: flo
 
 
 def test_a_measured_configuration_is_known_and_its_repeat_copies_only_what_was_measured():
-    cost = {"standby_wait_s": 12.0, "phase_seconds": {"train": 9.5}}  # its process's, not its configuration's
+    cost = {"phase_seconds": {"train": 9.5}}  # its process's, not its configuration's
     measured = _trial(0, {"trainer.batch_size": 8}, "ok", -1.0, value=50.0, run_id="abc", device="0", **cost)
     known = proposals.known_outcome({"trainer.batch_size": 8}, [measured], [], proposals.Knowledge())
     assert known.values == [50.0] and known.attrs["repeat_of"] == 0
-    assert not {"run_id", "device", "standby_wait_s", "phase_seconds"} & set(known.attrs)
+    assert not {"run_id", "device", "phase_seconds"} & set(known.attrs)
     assert proposals.known_outcome({"trainer.batch_size": 4}, [measured], [], proposals.Knowledge()) is None
 
 
@@ -72,8 +72,3 @@ def test_a_trial_beyond_n_trials_is_over_quota_unless_it_retries_a_killed_one():
     assert proposals.over_quota(fourth, started, n_trials=3)
     assert not proposals.over_quota(fourth, started, n_trials=4)
     assert not proposals.over_quota(retry, started, n_trials=3)
-    assert proposals.standbys_wanted(slots=2, ahead=2, to_come=3) == 3
-    assert proposals.standbys_wanted(slots=2, ahead=2, to_come=None) == 4
-    # two devices' runners, three trials to come: two processes each would leave one importing for nothing
-    assert proposals.standbys_wanted(slots=1, ahead=2, to_come=3, runners=2) == 2
-    assert proposals.standbys_wanted(slots=1, ahead=2, to_come=2, runners=2) == 1

@@ -110,76 +110,58 @@ run_dir = Path([a for a in sys.argv if a.startswith("hydra.run.dir=")][0].split(
 print("trial output")
 report = {"pid": os.getpid(), "argv": sys.argv[1:], "torch_imported": "torch" in sys.modules}
 report["frozen"] = gc.get_freeze_count()
+report["cores"] = sorted(os.sched_getaffinity(0))
+report["env"] = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "MEMFIT_TRIAL_MARK", "OMP_NUM_THREADS")}
+def rss_kib(pid):
+    return int([line for line in open(f"/proc/{pid}/status") if line.startswith("VmRSS")][0].split()[1])
+report["rss_of_server"] = rss_kib("self") / rss_kib(os.getppid())
+if report["torch_imported"]:
+    import torch
+    report["threads"] = torch.get_num_threads()
 (run_dir / "report.json").write_text(json.dumps(report))
 """
 
 
-def test_a_prestarted_trial_process_has_paid_its_imports_and_runs_only_its_own_overrides(tmp_path):
-    """hydra.sweeper.prestart: the next trial's process imports while the current trial runs, then takes its
-    overrides; a standby that died is replaced by a process started on demand; unused standbys end at once."""
-    import re
+@pytest.mark.parametrize("fork", [True, False])
+def test_a_trial_process_runs_only_its_own_overrides_in_its_own_environment(tmp_path, monkeypatch, fork):
+    """hydra.sweeper.fork_trials: a trial forked from the fork server has its imports paid (and frozen out of the
+    collector's sight), a fresh one pays its own; either way it runs the app with its own overrides, sees the
+    environment and cores of its device's runner, and writes its output to its own log."""
+    import os
     import sys
 
     from memfit.sweep.trials import ProcessTrials, trial_env
 
     app = tmp_path / "app.py"
     app.write_text(TRIAL_APP)
-    trials = ProcessTrials([sys.executable, str(app), "--config-name", "x"], tmp_path / "s", None, trial_env(), True)
-    trials.keep_ready(2)  # hydra.sweeper.prestart_ahead=2: two trials' time to import
-    standby, after = trials.standbys
-
-    [first] = trials.launch([["a=1"]], 0, standby=2)
-    assert first.report["pid"] == standby.pid and first.report["torch_imported"]  # imports paid before the trial
-    assert first.report["frozen"] > 100_000  # the imports' objects, out of the collector's sight
-    assert first.standby_wait_s > 0  # due at once: it waited for the imports it had only begun
+    monkeypatch.setenv("MEMFIT_TRIAL_MARK", "given")  # set after the fork server started: the trial sees it anyway
+    trials = ProcessTrials([sys.executable, str(app), "--config-name", "x"], tmp_path / "s", None, trial_env(), fork)
+    trials.start()
+    core = sorted(os.sched_getaffinity(0))[-1]
+    first, second = trials.launch([["a=1"]], 0) + trials.pinned("3", cores=[core]).launch([["a=2"]], 1)
     assert first.report["argv"] == ["--config-name", "x", "a=1", f"hydra.run.dir={tmp_path / 's' / '0'}"]
-    readiness, output = (tmp_path / "s" / "0" / "trial.log").read_text().strip().splitlines()
-    waited = r"(, done [\d.]+ s before its trial was due|; its trial waited [\d.]+ s for them)$"
-    assert re.search(r"\]\[memfit.standby\]\[INFO\] - standby: imports took [\d.]+ s" + waited, readiness)
-    assert output == "trial output"
-    assert trials.standbys[0] is after and len(trials.standbys) == 2  # the older one goes first; two kept ahead
-
-    for proc in trials.standbys[1:]:
-        proc.kill()
-        proc.wait()
-    trials.standbys = trials.standbys[:1]
-
-    [second] = trials.launch([["a=2"]], 1)  # the process ahead took it, the moment it was due
-    assert second.report["pid"] == after.pid and second.standby_wait_s >= 0
-
-    trials.keep_ready(1)
-    dead = trials.standbys[0]
-    dead.kill()
-    dead.wait()
-    [third] = trials.launch([["a=3"]], 2)
-    assert third.report["pid"] != dead.pid and not third.report["torch_imported"]  # started on demand
-    assert third.report["frozen"] == 0 and third.standby_wait_s is None
-    assert third.report["argv"][-2] == "a=3"
-
-    trials.keep_ready(1)
-    unused = trials.standbys[0]
-    trials.close()  # ended at once, without running anything
-    assert unused.returncode is not None and not trials.standbys and not (tmp_path / "s" / "3").exists()
-    # `python -m memfit.sweep.standby` imports the package first: nothing of it runs twice (runpy would warn)
-    assert "RuntimeWarning" not in (tmp_path / "s" / "standby.log").read_text()
-
-
-def test_the_sweeper_advises_starting_processes_earlier_when_trials_often_wait_for_them():
-    from memfit.sweep.trials import standby_hint
-
-    assert standby_hint([], 2) is None
-    assert standby_hint([0.0, 0.0, 0.0, 2.0, 0.2], 2) is None  # one in five waited a second or more
-    assert standby_hint([0.0, 3.0, 0.0, 5.0], 2) == (
-        "2 of 4 trials waited for their process's imports (4.0 s on average): hydra.sweeper.prestart_ahead=3 starts "
-        "each one a trial earlier"
-    )
-
-
-def test_a_standby_says_whether_its_trial_waited_for_its_imports():
-    from memfit.sweep.standby import readiness
-
-    assert readiness(6.25, waited_s=-3.5) == ("standby: imports took 6.2 s, done 3.5 s before its trial was due")
-    assert readiness(12.0, waited_s=2.0) == "standby: imports took 12.0 s; its trial waited 2.0 s for them"
+    assert second.report["argv"][-2] == "a=2" and first.report["pid"] != second.report["pid"]
+    threads = os.environ.get("OMP_NUM_THREADS")
+    assert first.report["env"] == {
+        "CUDA_VISIBLE_DEVICES": None,
+        "MEMFIT_TRIAL_MARK": "given",
+        "OMP_NUM_THREADS": threads,
+    }
+    assert second.report["env"] == {
+        "CUDA_VISIBLE_DEVICES": "3",
+        "MEMFIT_TRIAL_MARK": "given",
+        "OMP_NUM_THREADS": threads or "1",
+    }
+    assert first.report["cores"] == sorted(os.sched_getaffinity(0)) and second.report["cores"] == [core]
+    assert (tmp_path / "s" / "1" / "trial.log").read_text() == "trial output\n"
+    if fork:
+        assert first.report["torch_imported"] and first.report["frozen"] > 100_000
+        # the server's file pages are counted in the trial's RSS from its start, as in a fresh process's
+        assert first.report["rss_of_server"] > 0.95
+        assert second.report["threads"] == 1  # OMP_NUM_THREADS applied, though torch was imported before it
+    else:
+        assert not first.report["torch_imported"] and first.report["frozen"] == 0
+    trials.close()
 
 
 EXITING_APP = """
@@ -193,18 +175,18 @@ sys.exit(int([a for a in sys.argv if a.startswith("code=")][0].split("=")[1]))
 """
 
 
-@pytest.mark.parametrize("prestart", [True, False])
-def test_a_trial_process_ends_as_a_normal_exit_would_less_the_interpreter_teardown(tmp_path, prestart):
-    """memfit.sweep.standby ends the trial with os._exit after its work: threads and atexit handlers still run,
-    and the exit status is the script's."""
+@pytest.mark.parametrize("fork", [True, False])
+def test_a_trial_process_ends_as_a_normal_exit_would_less_the_interpreter_teardown(tmp_path, fork):
+    """memfit.sweep.trial_process ends the trial with os._exit after its work: threads and atexit handlers still
+    run, and the exit status is the script's."""
     import sys
 
     from memfit.sweep.trials import ProcessTrials, trial_env
 
     app = tmp_path / "app.py"
     app.write_text(EXITING_APP)
-    trials = ProcessTrials([sys.executable, str(app)], tmp_path / "s", None, trial_env(), prestart)
-    trials.keep_ready(1)
+    trials = ProcessTrials([sys.executable, str(app)], tmp_path / "s", None, trial_env(), fork)
+    trials.start()
     [result] = trials.launch([["code=3"]], 0)
     job = tmp_path / "s" / "0"
     assert result.report is None and result.error == "failed: exit 3: exiting"
@@ -261,7 +243,6 @@ def test_the_readme_budget_sweep_finds_and_exports_a_preset(readme_budget_sweep,
     assert all(t.constraints for t in study.trials)  # a constraint on every trial, told ones included
     ran = [t for t in study.trials if not t.user_attrs.get("not_run")]
     assert len(ran) <= 6 and len({tuple(sorted(t.params.items())) for t in ran}) == len(ran)  # none ran twice
-    assert all(t.user_attrs["standby_wait_s"] >= 0 for t in ran)  # each ran in a process started ahead of it
     measured = [t for t in ran if t.user_attrs["status"] == "ok"]
     assert measured and all({"model", "preflight", "train"} <= set(t.user_attrs["phase_seconds"]) for t in measured)
     assert re.search(r"trial \d+ feasible: .*; [\d.]+ s in its process \(seconds: checks [\d.]+, ", first.stdout)
@@ -444,23 +425,6 @@ def test_a_configuration_measured_before_is_told_from_that_measurement_not_run_a
     assert told.constraints == {"memory_gib": -2.5}
 
 
-def test_no_more_processes_are_started_ahead_than_trials_are_still_to_come():
-    from memfit.sweep import BudgetSweep
-
-    sweep = BudgetSweep(n_trials=3, prestart_ahead=2, budgets=None)
-    study = optuna.create_study(direction="maximize")
-    space = {"trainer.batch_size": optuna.distributions.CategoricalDistribution([4, 8])}
-    assert sweep.standbys_wanted(study, 1) == 2
-    study.tell(study.ask(space), 1.0)
-    study.ask(space)  # running: one done, one running, one still to come
-    assert sweep.standbys_wanted(study, 1) == 1
-    study.ask(space)
-    assert sweep.standbys_wanted(study, 1) == 0
-    ladder = BudgetSweep(n_trials=3, prestart_ahead=2, budgets=[16, 24])
-    ladder.budget_gib = 16  # the 24 GiB study comes after this one: its trials need processes too
-    assert ladder.standbys_wanted(study, 1) == 2
-
-
 def test_of_two_workers_asking_one_configuration_at_once_only_the_earlier_trial_measures_it():
     """Two workers' trials both hold the same configuration, RUNNING, before either has checked the other: the
     lower-numbered one runs, the other is told as surplus (before, each saw the other and neither ran)."""
@@ -546,6 +510,38 @@ def _wait_for_running_trial(storage: str, name: str, number: int, proc, timeout:
 
 
 @pytest.mark.slow
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state, parent pid) of a process from /proc; None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return fields[0], int(fields[1])
+
+
+def _descendants(pid: int) -> list[int]:
+    """The live processes under `pid`."""
+    stats = {int(p.name): _stat(int(p.name)) for p in Path("/proc").glob("[0-9]*")}
+    parents = {child: stat[1] for child, stat in stats.items() if stat and stat[0] != "Z"}
+    found, frontier = [], [pid]
+    while frontier:
+        frontier = [child for child, parent in parents.items() if parent in frontier]
+        found += frontier
+    return found
+
+
+def _all_end(pids: list[int], within_s: float) -> bool:
+    """Whether every process in `pids` ends (or is a zombie) within `within_s` seconds."""
+    import time
+
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if all((_stat(pid) or ("Z", 0))[0] == "Z" for pid in pids):
+            return True
+        time.sleep(0.2)
+    return False
+
+
 def test_faults_in_trials_and_a_killed_sweeper_lose_nothing(tmp_path):
     """A trial that OOMs, one that raises, one whose loss turns NaN, one SIGKILLed, then the sweeper itself
     SIGKILLed mid-trial in the last of n_trials: after rerunning the same command every trial is in Optuna and
@@ -569,9 +565,11 @@ def test_faults_in_trials_and_a_killed_sweeper_lose_nothing(tmp_path):
     first = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_for_running_trial(storage, name, 5, first)
+        processes = _descendants(first.pid)  # the fork server and the trial forked from it
     finally:
         os.kill(first.pid, signal.SIGKILL)  # the sweeper dies mid-trial; its trial process dies with it
         first.wait()
+    assert len(processes) >= 2 and _all_end(processes, within_s=30)
     again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"sweep {name}" not in again.stderr  # CI=1: no progress bar in logs
@@ -797,7 +795,6 @@ def test_a_budget_ladder_reuses_measurements_and_writes_one_preset_per_budget(tm
             "hydra.sweeper.devices pins each trial's process to a GPU",
         ),
         (["hydra.sweeper.pin_cores=true"], "hydra.sweeper.pin_cores gives each device's trials their own cores"),
-        (["hydra.sweeper.prestart_ahead=0"], "hydra.sweeper.prestart_ahead=0: keep at least 1 process ahead"),
         (["hydra.sweeper.n_trials=0"], "hydra.sweeper.n_trials=0 must be > 0"),
         (
             ["trainer.batch_size=choice(2,4)", "memory.max_label_length=8", "data.max_train_samples=48"],

@@ -31,14 +31,10 @@ class MemfitSweeperConf:
     # process: a fresh python process per trial | launcher: Hydra's configured launcher (the basic one runs trials in
     # the sweeper's process; hydra/launcher=submitit_slurm submits them to Slurm); none: the same as launcher
     isolation: str = "process"
-    # process isolation: start the next trial's process while the current trial runs, so that its imports (5-7 s of
-    # torch, transformers, MLflow) are paid off the device's clock; it touches no device before its trial begins.
-    # Costs one idle process's memory (~0.5 GB) per slot and some CPU beside the running trial
-    prestart: bool = True
-    # trial processes kept importing ahead per slot: each gets two trials' time to import. On a 2 x H200 host whose
-    # imports took 17-24 s against ~15 s trials, 1 ahead left 10 of 16 trials waiting for them (4.8 s each), 2 left 2
-    # (benchmarks/README.md); costs one more idle process (~0.5 GB of host memory) per slot
-    prestart_ahead: int = 2
+    # process isolation: fork each trial's process from a fork server that imported torch, transformers and MLflow
+    # once per sweep (8-15 CPU-s a trial no longer pays; no device touched before the trial). false: a new
+    # interpreter per trial, for a library that initialises CUDA as it is imported
+    fork_trials: bool = True
     trial_timeout_s: float | None = None  # process isolation: a trial still running after this is killed, FAIL
     # several workers on one study (a shared storage): a trial whose worker stops beating for 3 × heartbeat_s is
     # failed and queued again by the others; workers with nothing left to ask poll every poll_s. null: no heartbeat

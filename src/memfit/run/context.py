@@ -22,8 +22,8 @@ if TYPE_CHECKING:
 
 class StartupClock:
     """Seconds of each phase, one lap after another, so that every second of a run's start is counted in some phase
-    (a phase includes the imports it triggers, none in a prestarted sweep trial): where a short sweep trial spends
-    its time, and what two trials at once slow down."""
+    (a phase includes the imports it triggers, none in a sweep trial forked from the fork server): where a short
+    sweep trial spends its time, and what two trials at once slow down."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}

@@ -4,7 +4,6 @@ and which predicted fit fills the budget most. The loop (sweep.study) asks, appl
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,8 +27,7 @@ FILLING_OBJECTIVES = ("throughput", "epoch_throughput")
 
 # what a trial's repeat does not copy: it has no MLflow run of its own, held no device, and the sampler proposed it
 # what belongs to the trial that ran, not to its configuration's outcome: a repeat told from it copies none of these
-# (its process's cost included: the sweep's standby advice counts the waits of processes that ran)
-MEASURED_ONLY = ("run_id", "device", "explored", "fills_budget", "standby_wait_s", "phase_seconds")
+MEASURED_ONLY = ("run_id", "device", "explored", "fills_budget", "phase_seconds")
 
 
 @dataclass(frozen=True)
@@ -142,12 +140,3 @@ def over_quota(trial: Any, started: list[Any], n_trials: int) -> bool:
     if "retry_of" in trial.user_attrs:
         return False
     return len([t for t in started if t.number < trial.number and counts_as_run(t)]) >= n_trials
-
-
-def standbys_wanted(slots: int, ahead: int, to_come: int | None, runners: int = 1) -> int:
-    """Processes worth starting ahead for `slots` trial slots of one of `runners` (a device's each): `ahead` each,
-    but no more than this runner's share of the trials still to come beyond those now running (None: more come
-    after this study, a larger budget of the ladder). A process started for a trial that never comes imports for
-    nothing: on a 2-core host, as long as a trial."""
-    wanted = slots * ahead
-    return wanted if to_come is None else max(0, min(wanted, math.ceil(to_come / runners)))

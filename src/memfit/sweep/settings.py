@@ -46,11 +46,6 @@ def check_settings(s: DictConfig) -> list[str]:
         raise SweepConfigError(
             "hydra.sweeper.devices pins each trial's process to a GPU: it needs hydra.sweeper.isolation=process"
         )
-    if s.prestart_ahead < 1:
-        raise SweepConfigError(
-            f"hydra.sweeper.prestart_ahead={s.prestart_ahead}: keep at least 1 process ahead per slot, or set "
-            "hydra.sweeper.prestart=false for none"
-        )
     if s.pin_cores and not s.devices:
         raise SweepConfigError(
             "hydra.sweeper.pin_cores gives each device's trials their own cores: it needs hydra.sweeper.devices"

@@ -32,7 +32,7 @@ from memfit.sweep.results import SweepView, log_pareto_plot, summarise
 from memfit.sweep.settings import check_settings
 from memfit.sweep.space import held_step, segment_steps, suggest
 from memfit.sweep.telling import TrialTeller
-from memfit.sweep.trials import InProcessTrials, ProcessTrials, app_argv, core_sets, standby_hint, trial_env
+from memfit.sweep.trials import InProcessTrials, ProcessTrials, app_argv, core_sets, trial_env
 
 log = logging.getLogger("memfit.sweep")
 
@@ -79,13 +79,13 @@ class BudgetSweep:
         self.objectives = check_settings(s)
         if s.isolation == "process":
             sweep_dir = Path(config.hydra.sweep.dir)
-            self.trials = ProcessTrials(app_argv(config), sweep_dir, s.trial_timeout_s, trial_env(), s.prestart)
+            self.trials = ProcessTrials(app_argv(config), sweep_dir, s.trial_timeout_s, trial_env(), s.fork_trials)
         else:
             launcher = Plugins.instance().instantiate_launcher(
                 hydra_context=hydra_context, task_function=task_function, config=config
             )
             self.trials = InProcessTrials(launcher)
-        # one runner per device: a device's trials (and its standby process) see only that GPU (and its cores)
+        # one runner per device: a device's trials see only that GPU (and its cores)
         devices = [str(d) for d in s.devices or []]
         cores = core_sets(len(devices)) if s.pin_cores else None
         if s.pin_cores and cores is None:
@@ -182,14 +182,6 @@ class BudgetSweep:
             overrides.append(f"tracking.run_id={trial.user_attrs['run_id']}")
         return overrides
 
-    # --- counting -------------------------------------------------------------------------------------------------
-    def standbys_wanted(self, study: Any, slots: int) -> int:
-        """Processes worth starting ahead for `slots` trial slots (proposals.standbys_wanted)."""
-        s = self.settings
-        more_budgets = s.budgets and self.budget_gib != max(s.budgets)
-        to_come = None if more_budgets else s.n_trials - storage.trials_run(study) - storage.running(study)
-        return proposals.standbys_wanted(slots, s.prestart_ahead, to_come, runners=max(1, len(self.runners)))
-
     # --- the loop -------------------------------------------------------------------------------------------------
     def _run_study(self, space: dict[str, Any], fixed: list[str], earlier: list[Any]) -> dict[str, Any] | None:
         study, store = self._open()
@@ -225,9 +217,6 @@ class BudgetSweep:
                 floor, limit, space = self.settings.coverage_floor, self._limit_gib(), self.searched.space
                 self.verdict = verdict.for_study(study.trials, space, self.screen, floor, limit, self.config)
                 log.warning("no feasible trial in %d: %s", len(study.trials), self.verdict)
-            waits = [t.user_attrs["standby_wait_s"] for t in study.trials if "standby_wait_s" in t.user_attrs]
-            if hint := standby_hint(waits, self.settings.prestart_ahead):
-                log.info(hint)
             if parent is not None:
                 log_pareto_plot(study, view, parent)
         except BaseException as err:
@@ -353,7 +342,7 @@ class BudgetSweep:
         with self.lock:  # job directories are numbered across device threads
             first_job, self.job_idx = self.job_idx, self.job_idx + len(batch)
         with storage.beating(trials, self.settings.heartbeat_s):
-            results = runner.launch(batch, first_job, standby=self.standbys_wanted(study, len(batch)))
+            results = runner.launch(batch, first_job)
         for trial, result, child in zip(trials, results, children, strict=True):
             teller.tell(study, trial, result, child)
         with self.told:
@@ -364,7 +353,7 @@ class BudgetSweep:
         self.searched = search_space(arguments, dict(self.settings.params or {}), self.config)
         space, fixed = self.searched.space, self.searched.fixed
         log.info("search space:\n%s", self.searched.describe())
-        self._prestart()
+        self.trials.start()  # the fork server imports while the sweeper opens the study and screens the data
         try:
             summaries = self._sweep_budgets(space, fixed)
             if not any(summaries) and self.verdict:
@@ -373,16 +362,6 @@ class BudgetSweep:
         finally:
             for runner in [self.trials, *self.runners.values()]:
                 runner.close()
-
-    def _prestart(self) -> None:
-        """The first trials' processes start their imports now, while the sweeper opens the study and screens the
-        data: prestart_ahead per device, or per trial of a batch."""
-        ahead, n_trials = self.settings.prestart_ahead, self.settings.n_trials
-        if self.runners:
-            for runner in self.runners.values():
-                runner.keep_ready(proposals.standbys_wanted(1, ahead, n_trials, runners=len(self.runners)))
-        else:
-            self.trials.keep_ready(proposals.standbys_wanted(self.settings.n_jobs, ahead, n_trials))
 
     def _sweep_budgets(self, space: dict[str, Any], fixed: list[str]) -> list[Any]:
         budgets = sorted(float(b) for b in self.settings.budgets or [])

@@ -80,8 +80,6 @@ class TrialTeller:
         s = self.settings
         outcome = outcome_of(result.report, result.error, self.limit_gib, self.objectives, s.coverage_floor)
         outcome.attrs["device_seconds"] = result.seconds
-        if result.standby_wait_s is not None:  # a prestarted trial process
-            outcome.attrs["standby_wait_s"] = result.standby_wait_s
         for key, value in outcome.attrs.items():
             if key != "run_id" or value:
                 trial.set_user_attr(key, value)

@@ -1,16 +1,16 @@
-"""Running trials: each in a fresh `python train.py` process (default), or in the sweeper's process through Hydra's
-launcher (isolation=none).
+"""Running trials: each in a process of its own (default: forked from the sweep's fork server, which imported the
+libraries once; or a fresh interpreter), or in the sweeper's process through Hydra's launcher (isolation=launcher).
 
-A fresh process per trial is what makes measured peaks independent of trial order on a GPU: nothing of the
-previous trial's allocator cache, fragmentation, CUDA context or allocator cap survives into the next. It also
-lets a trial die (OOM-killer, SIGKILL, a hang past the timeout) without taking the sweep with it. The trial writes
-report.json into its own directory; its absence, with the exit status, says how it died. On Linux a trial is
-killed with the sweeper (PR_SET_PDEATHSIG), so an interrupted sweep leaves no orphan training on the device.
+A process per trial is what makes measured peaks independent of trial order on a GPU: nothing of the previous
+trial's allocator cache, fragmentation, CUDA context or allocator cap survives into the next. It also lets a trial
+die (OOM-killer, SIGKILL, a hang past the timeout) without taking the sweep with it. The trial writes report.json
+into its own directory; its absence, with the exit status, says how it died. A trial is killed with the sweeper
+(on Linux, PR_SET_PDEATHSIG for a fresh one; a forked one watches the sweeper), so an interrupted sweep leaves no
+orphan training on the device.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -26,39 +26,11 @@ from typing import Any
 log = logging.getLogger("memfit.sweep")
 
 
-# beside a trial's log, written by its standby (memfit.sweep.standby): how long its imports took and its trial waited
-# for them. Not imported from the standby module: `python -m memfit.sweep.standby` imports this package first, and a
-# module the package had already imported would run twice (runpy's RuntimeWarning in every standby.log)
-STANDBY_FILE = "standby.json"
-
-
 @dataclass
 class TrialResult:
     report: dict[str, Any] | None
     error: str | None  # why there is no report (or the run's own reason when it failed)
     seconds: float
-    standby_wait_s: float | None = None  # how long a prestarted process's imports kept its trial waiting
-
-
-def standby_hint(waits: list[float], ahead: int) -> str | None:
-    """Advice when prestarted processes were often still importing when their trials were due (a slow disk or
-    a busy host): start them earlier. None when under a quarter of the trials waited a second or more."""
-    waited = [w for w in waits if w >= 1.0]
-    if not waited or len(waited) * 4 < len(waits):
-        return None
-    return (
-        f"{len(waited)} of {len(waits)} trials waited for their process's imports ({sum(waited) / len(waited):.1f} s "
-        f"on average): hydra.sweeper.prestart_ahead={ahead + 1} starts each one a trial earlier"
-    )
-
-
-def _standby_wait(job_dir: Path) -> float | None:
-    """What the trial's standby wrote of its wait (memfit.sweep.standby); None for a process started on demand,
-    or one killed before it finished writing."""
-    try:
-        return float(json.loads((job_dir / STANDBY_FILE).read_text())["waited_s"])
-    except (OSError, ValueError, KeyError):
-        return None
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
@@ -69,7 +41,7 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
 
 STOP_GRACE_S = 30.0  # a stopped sweep's running trial gets this long to end its MLflow run before it is killed
 
-# every trial process (and standby) dies with the sweeper, where the OS lets us ask for it
+# every fresh trial process dies with the sweeper, where the OS lets us ask for it (a forked one watches for it)
 CHILD_SETUP = _die_with_parent if sys.platform.startswith("linux") else None
 
 
@@ -133,31 +105,58 @@ def _pinned_setup(cores: list[int]) -> Any:
     return setup
 
 
-def _give(proc: subprocess.Popen, job: dict[str, Any]) -> bool:
-    """Write a trial process its one line (memfit.sweep.standby) and close its input; False if it died first."""
-    try:
-        proc.stdin.write(json.dumps(job) + "\n")
-        proc.stdin.close()
-    except (BrokenPipeError, OSError):
-        return False
-    return True
+class ForkedTrial:
+    """A trial's process forked from the fork server (memfit.sweep.trial_process), answering as subprocess.Popen
+    does: pid, poll, wait (raising TimeoutExpired), terminate, kill, returncode."""
+
+    def __init__(self, process: Any):
+        self.process = process
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.exitcode
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired("trial", timeout)
+        return self.process.exitcode
+
+    def terminate(self) -> None:
+        self.process.terminate()
+
+    def kill(self) -> None:
+        self.process.kill()
+
+
+def _fork_server() -> Any:
+    """multiprocessing's fork server, its imports those of memfit.sweep.warm_imports (one per sweeper process)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["memfit.sweep.warm_imports"])
+    return context
 
 
 class ProcessTrials:
-    """`python <app> <overrides> hydra.run.dir=<sweep dir>/<job>` per trial; up to len(batch) at once.
-
-    With `prestart`, the process for the next trial is started while the current one runs (memfit.sweep.standby):
-    it pays the imports then, and takes its overrides when its trial begins. A standby that died is replaced by a
-    process started on demand."""
+    """`python <app> <overrides> hydra.run.dir=<sweep dir>/<job>` per trial, in its own process; up to len(batch)
+    at once. With `fork` (hydra.sweeper.fork_trials), the process is forked from the fork server, whose imports
+    the sweep paid once; without, it is a new interpreter (memfit.sweep.trial_process)."""
 
     def __init__(
-        self, app_argv: list[str], sweep_dir: Path, timeout_s: float | None, env: dict[str, str], prestart: bool = False
+        self, app_argv: list[str], sweep_dir: Path, timeout_s: float | None, env: dict[str, str], fork: bool = True
     ):
         self.app_argv, self.sweep_dir, self.timeout_s, self.env = app_argv, sweep_dir, timeout_s, env
-        self.prestart = prestart
-        self.standbys: list[subprocess.Popen] = []
-        self.running: list[subprocess.Popen] = []  # trial processes launched and not yet waited for
-        self.child_setup = CHILD_SETUP  # run in each child before it starts: dies with the sweeper (and pins)
+        self.fork = fork
+        self.cores: list[int] | None = None
+        self.running: list[Any] = []  # trial processes launched and not yet waited for
 
     def pinned(self, device: str, cores: list[int] | None = None) -> ProcessTrials:
         """The same trials, their processes seeing only GPU `device` (CUDA_VISIBLE_DEVICES). With `cores`, they run
@@ -169,87 +168,68 @@ class ProcessTrials:
         env = {**self.env, "CUDA_VISIBLE_DEVICES": device}
         if cores and "OMP_NUM_THREADS" not in env:
             env["OMP_NUM_THREADS"] = str(len(cores))
-        trials = ProcessTrials(self.app_argv, self.sweep_dir, self.timeout_s, env, self.prestart)
-        if cores:
-            trials.child_setup = _pinned_setup(cores)
+        trials = ProcessTrials(self.app_argv, self.sweep_dir, self.timeout_s, env, self.fork)
+        trials.cores = cores or None
         return trials
 
-    # --- standby processes ---------------------------------------------------------------------------------------
-    def keep_ready(self, count: int) -> None:
-        """Start standby processes until `count` are alive (none unless `prestart`)."""
-        self.standbys = [p for p in self.standbys if p.poll() is None]
-        if not self.prestart:
-            return
-        self.sweep_dir.mkdir(parents=True, exist_ok=True)
-        while len(self.standbys) < count:
-            with open(self.sweep_dir / "standby.log", "a") as log_file:  # imports' warnings; the trial has its own
-                self.standbys.append(self._spawn(log_file))
+    def start(self) -> None:
+        """Start the fork server now, so that its imports run while the sweeper opens the study and screens the data
+        (nothing to start for fresh processes)."""
+        if self.fork:
+            from multiprocessing import forkserver
 
-    def _spawn(self, output: Any, on_demand: bool = False) -> subprocess.Popen:
-        """A trial process (memfit.sweep.standby) writing to `output`, waiting for its overrides on stdin."""
-        mode = ["--on-demand"] if on_demand else []
-        return subprocess.Popen(
-            [self.app_argv[0], "-m", "memfit.sweep.standby", *mode, *self.app_argv[1:]],
-            stdin=subprocess.PIPE,
-            stdout=output,
-            stderr=subprocess.STDOUT,
-            env=self.env,
-            text=True,
-            preexec_fn=self.child_setup,
-        )
-
-    def _hand_to_standby(self, overrides: list[str], log_path: Path) -> subprocess.Popen | None:
-        """Give a trial to a waiting standby; None where none is alive to take it."""
-        while self.standbys:
-            proc = self.standbys.pop(0)
-            job = {"overrides": overrides, "log": str(log_path), "sent": time.time()}
-            if proc.poll() is None and _give(proc, job):
-                return proc
-        return None
+            _fork_server()
+            forkserver.ensure_running()
 
     def close(self) -> None:
-        """End the standbys no trial will take, at once: one that has taken no trial holds no device and has
-        written nothing, and letting it finish its imports would only spend CPU. Trials still running (the sweep
-        was stopped) get SIGTERM, so each ends its MLflow run KILLED with its metrics flushed; a trial still
-        running STOP_GRACE_S later is killed."""
-        for proc in self.standbys + self.running:
+        """Trials still running (the sweep was stopped) get SIGTERM, so each ends its MLflow run KILLED with its
+        metrics flushed; a trial still running STOP_GRACE_S later is killed."""
+        for proc in self.running:
             proc.terminate()
-        for proc in self.standbys:
-            with contextlib.suppress(OSError):
-                proc.stdin.close()
-        for proc in self.standbys + self.running:
+        for proc in self.running:
             try:
-                proc.wait(timeout=STOP_GRACE_S if proc in self.running else 10)
+                proc.wait(timeout=STOP_GRACE_S)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        self.standbys, self.running = [], []
+        self.running = []
 
     # --- trials --------------------------------------------------------------------------------------------------
-    def launch(self, batch: list[list[str]], first_job: int, standby: int = 0) -> list[TrialResult]:
-        """Run the batch's trials at once and wait for them; then keep `standby` processes ready for the next."""
+    def launch(self, batch: list[list[str]], first_job: int) -> list[TrialResult]:
+        """Run the batch's trials at once and wait for them."""
         started = []
         for offset, overrides in enumerate(batch):
             job_dir = self.sweep_dir / str(first_job + offset)
             job_dir.mkdir(parents=True, exist_ok=True)
             (job_dir / "report.json").unlink(missing_ok=True)
-            (job_dir / STANDBY_FILE).unlink(missing_ok=True)
             argv = [*overrides, f"hydra.run.dir={job_dir}"]
-            proc = self._hand_to_standby(argv, job_dir / "trial.log") or self._start(argv, job_dir / "trial.log")
+            proc = self._start(argv, job_dir / "trial.log")
             started.append((proc, job_dir, time.monotonic()))
             self.running.append(proc)
-        self.keep_ready(standby)
         results = [self._wait(proc, job_dir, start) for proc, job_dir, start in started]
         self.running = [proc for proc in self.running if proc.poll() is None]
         return results
 
-    def _start(self, argv: list[str], log_path: Path) -> subprocess.Popen:
-        """A trial process started on demand: the standby module, given its overrides at once, so that every
-        trial runs and ends the same way."""
+    def _start(self, overrides: list[str], log_path: Path) -> Any:
+        script_argv = [*self.app_argv[1:], *overrides]
+        if self.fork:
+            from memfit.sweep.trial_process import TrialJob, run_forked
+
+            log_path.write_text("")  # the trial appends to its own, fresh log
+            job = TrialJob(script_argv, str(log_path), dict(self.env), self.cores)
+            process = _fork_server().Process(target=run_forked, args=(job,), name=f"trial {log_path.parent.name}")
+            process.start()
+            return ForkedTrial(process)
+        setup = _pinned_setup(self.cores) if self.cores else CHILD_SETUP
         with open(log_path, "w") as log_file:  # the child holds its own descriptor
-            proc = self._spawn(log_file, on_demand=True)
-        _give(proc, {"overrides": argv})  # one that died at once is reported by its exit status
-        return proc
+            return subprocess.Popen(
+                [self.app_argv[0], "-m", "memfit.sweep.trial_process", *script_argv],
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                preexec_fn=setup,
+            )
 
     def _wait(self, proc: Any, job_dir: Path, start: float) -> TrialResult:
         timed_out = False
@@ -260,12 +240,11 @@ class ProcessTrials:
             timed_out = True
             proc.wait()
         seconds = time.monotonic() - start
-        wait = _standby_wait(job_dir)
         report_path = job_dir / "report.json"
         if report_path.exists() and not timed_out:
             report = json.loads(report_path.read_text())
-            return TrialResult(report, report.get("reason"), seconds, wait)
-        return TrialResult(None, _why(proc.returncode, timed_out, self.timeout_s, job_dir / "trial.log"), seconds, wait)
+            return TrialResult(report, report.get("reason"), seconds)
+        return TrialResult(None, _why(proc.returncode, timed_out, self.timeout_s, job_dir / "trial.log"), seconds)
 
 
 class InProcessTrials:
@@ -275,7 +254,7 @@ class InProcessTrials:
     def __init__(self, launcher: Any):
         self.launcher = launcher
 
-    def launch(self, batch: list[list[str]], first_job: int, standby: int = 0) -> list[TrialResult]:
+    def launch(self, batch: list[list[str]], first_job: int) -> list[TrialResult]:
         from hydra.core.utils import JobStatus
 
         start = time.monotonic()
@@ -292,7 +271,7 @@ class InProcessTrials:
                     results.append(TrialResult(None, f"failed: {type(error).__name__}: {error}", seconds))
         return results
 
-    def keep_ready(self, count: int) -> None:
+    def start(self) -> None:
         """The launcher starts its own processes (or none): nothing to start ahead."""
 
     def close(self) -> None:
