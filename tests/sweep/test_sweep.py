@@ -143,7 +143,7 @@ def test_a_trial_process_runs_only_its_own_overrides_in_its_own_environment(tmp_
     assert second.report["argv"][-2] == "a=2" and first.report["pid"] != second.report["pid"]
     threads = os.environ.get("OMP_NUM_THREADS")
     assert first.report["env"] == {
-        "CUDA_VISIBLE_DEVICES": None,
+        "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "MEMFIT_TRIAL_MARK": "given",
         "OMP_NUM_THREADS": threads,
     }
