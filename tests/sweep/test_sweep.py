@@ -170,7 +170,10 @@ from pathlib import Path
 run_dir = Path([a for a in sys.argv if a.startswith("hydra.run.dir=")][0].split("=", 1)[1])
 atexit.register(lambda: (run_dir / "atexit").write_text("ran"))
 threading.Thread(target=lambda: (time.sleep(0.5), (run_dir / "thread").write_text("done"))).start()
-print("exiting", flush=True)
+print("exiting")  # not flushed: a trial's output is written as it goes, as `python -u` writes it
+if "code=kill" in sys.argv:
+    import os, signal
+    os.kill(os.getpid(), signal.SIGKILL)
 sys.exit(int([a for a in sys.argv if a.startswith("code=")][0].split("=")[1]))
 """
 
@@ -193,6 +196,8 @@ def test_a_trial_process_ends_as_a_normal_exit_would_less_the_interpreter_teardo
     assert (job / "atexit").read_text() == "ran" and (job / "thread").read_text() == "done"
     [ok] = trials.launch([["code=0"]], 1)
     assert ok.error == "failed: exit 0: exiting"  # no report.json: the sweeper says so, with the status
+    [killed] = trials.launch([["code=kill"]], 2)
+    assert killed.error == "killed: by SIGKILL" and (tmp_path / "s" / "2" / "trial.log").read_text() == "exiting\n"
     trials.close()
 
 

@@ -130,6 +130,8 @@ def _as_if_fresh(job: TrialJob, server: int) -> None:
     # the sweeper's resource tracker
     os.environ.clear()
     os.environ.update(job.env)
+    for stream in (sys.stdout, sys.stderr):  # written as it goes, as a fresh trial's are (PYTHONUNBUFFERED): what a
+        stream.reconfigure(line_buffering=True, write_through=True)  # trial killed mid-way printed stays in its log
     if job.cores is not None:
         os.sched_setaffinity(0, job.cores)
     threads = job.env.get("OMP_NUM_THREADS")
