@@ -515,36 +515,15 @@ def _wait_for_running_trial(storage: str, name: str, number: int, proc, timeout:
 
 
 @pytest.mark.slow
-def _stat(pid: int) -> tuple[str, int] | None:
-    """(state, parent pid) of a process from /proc; None once it is gone."""
+def _all_end(processes: list, within_s: float) -> bool:
+    """Whether every psutil process ends (or is left a zombie, its parent gone) within `within_s` seconds."""
+    import psutil
+
+    _, alive = psutil.wait_procs(processes, timeout=within_s)
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return fields[0], int(fields[1])
-
-
-def _descendants(pid: int) -> list[int]:
-    """The live processes under `pid`."""
-    stats = {int(p.name): _stat(int(p.name)) for p in Path("/proc").glob("[0-9]*")}
-    parents = {child: stat[1] for child, stat in stats.items() if stat and stat[0] != "Z"}
-    found, frontier = [], [pid]
-    while frontier:
-        frontier = [child for child, parent in parents.items() if parent in frontier]
-        found += frontier
-    return found
-
-
-def _all_end(pids: list[int], within_s: float) -> bool:
-    """Whether every process in `pids` ends (or is a zombie) within `within_s` seconds."""
-    import time
-
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        if all((_stat(pid) or ("Z", 0))[0] == "Z" for pid in pids):
-            return True
-        time.sleep(0.2)
-    return False
+        return all(p.status() == psutil.STATUS_ZOMBIE for p in alive)
+    except psutil.NoSuchProcess:
+        return _all_end(alive, within_s=1)
 
 
 def test_faults_in_trials_and_a_killed_sweeper_lose_nothing(tmp_path):
@@ -556,6 +535,8 @@ def test_faults_in_trials_and_a_killed_sweeper_lose_nothing(tmp_path):
     import signal
     import subprocess
     import sys
+
+    import psutil
 
     from tests.conftest import ROOT, train_py_env
 
@@ -570,7 +551,7 @@ def test_faults_in_trials_and_a_killed_sweeper_lose_nothing(tmp_path):
     first = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_for_running_trial(storage, name, 5, first)
-        processes = _descendants(first.pid)  # the fork server and the trial forked from it
+        processes = psutil.Process(first.pid).children(recursive=True)  # the fork server, the trial forked from it
     finally:
         os.kill(first.pid, signal.SIGKILL)  # the sweeper dies mid-trial; its trial process dies with it
         first.wait()

@@ -11,6 +11,7 @@ orphan training on the device.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -136,6 +137,7 @@ class ForkedTrial:
         self.process.kill()
 
 
+@functools.cache
 def _fork_server() -> Any:
     """multiprocessing's fork server, its imports those of memfit.sweep.warm_imports (one per sweeper process)."""
     import multiprocessing
