@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 
 def run_train(argv: list[str], tmp_path, cwd=ROOT, quiet=True) -> subprocess.CompletedProcess:
     assert argv[:2] == ["python", "train.py"]
-    out = run_train_py(*argv[2:], f"output_dir={tmp_path}", cwd=cwd, quiet=quiet)
+    out = run_train_py(*argv[2:], f"output_dir={tmp_path}", cwd=cwd, quiet=quiet, fresh=True)
     assert out.returncode == 0, out.stderr[-3000:]
     return out
 

@@ -514,7 +514,6 @@ def _wait_for_running_trial(storage: str, name: str, number: int, proc, timeout:
     raise AssertionError(f"trial {number} never started")
 
 
-@pytest.mark.slow
 def _all_end(processes: list, within_s: float) -> bool:
     """Whether every psutil process ends (or is left a zombie, its parent gone) within `within_s` seconds."""
     import psutil
@@ -526,29 +525,27 @@ def _all_end(processes: list, within_s: float) -> bool:
         return _all_end(alive, within_s=1)
 
 
-def test_faults_in_trials_and_a_killed_sweeper_lose_nothing(tmp_path):
+@pytest.mark.slow
+def test_faults_in_trials_and_a_killed_sweeper_lose_nothing(tmp_path, monkeypatch):
     """A trial that OOMs, one that raises, one whose loss turns NaN, one SIGKILLed, then the sweeper itself
     SIGKILLed mid-trial in the last of n_trials: after rerunning the same command every trial is in Optuna and
     MLflow once, with its state and reason, no MLflow run is RUNNING, and the interrupted configuration is measured
     after all, one trial past n_trials."""
     import os
     import signal
-    import subprocess
-    import sys
 
     import psutil
 
-    from tests.conftest import ROOT, train_py_env
+    from tests.conftest import run_train_py, start_train_py, train_py_env
 
     args = [
         *SMALL_SWEEP,
         "hydra.sweeper.n_trials=6",
         *sweep_outputs(tmp_path),
     ]
-    env = dict(train_py_env(), MEMFIT_FAULTS="trial-1=oom@1,trial-2=crash@1,trial-3=nan@1,trial-4=kill@1")
+    monkeypatch.setenv("MEMFIT_FAULTS", "trial-1=oom@1,trial-2=crash@1,trial-3=nan@1,trial-4=kill@1")
     name, storage = "memfit-tiny_seq2seq-aclsum-nobudget", f"sqlite:///{tmp_path}/optuna.db"
-    command = [sys.executable, str(ROOT / "train.py"), *args]
-    first = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = start_train_py(args, tmp_path / "first.log", train_py_env())
     try:
         _wait_for_running_trial(storage, name, 5, first)
         processes = psutil.Process(first.pid).children(recursive=True)  # the fork server, the trial forked from it
@@ -556,7 +553,7 @@ def test_faults_in_trials_and_a_killed_sweeper_lose_nothing(tmp_path):
         os.kill(first.pid, signal.SIGKILL)  # the sweeper dies mid-trial; its trial process dies with it
         first.wait()
     assert len(processes) >= 2 and _all_end(processes, within_s=30)
-    again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    again = run_train_py(*args, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"sweep {name}" not in again.stderr  # CI=1: no progress bar in logs
 
@@ -590,22 +587,22 @@ def test_sigterm_stops_a_sweep_recording_its_trial_interrupted_and_the_rerun_mea
     """SIGTERM to the sweeper mid-trial: the trial process is stopped too and ends its MLflow run KILLED, the trial is
     FAIL `interrupted` with its configuration queued again, the sweep's run ends KILLED, and the sweeper exits 143;
     rerunning the command measures the queued configuration."""
+    import os
     import signal
-    import subprocess
-    import sys
 
-    from tests.conftest import ROOT, train_py_env
+    from tests.conftest import run_train_py, start_train_py, train_py_env
 
     args = [*SMALL_SWEEP, *sweep_outputs(tmp_path), "hydra.sweeper.n_trials=1"]
     name, storage = "memfit-tiny_seq2seq-aclsum-nobudget", f"sqlite:///{tmp_path}/optuna.db"
-    command = [sys.executable, str(ROOT / "train.py"), *args]
-    sweeper = subprocess.Popen(command, cwd=ROOT, env=train_py_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    errors = tmp_path / "sweeper.err"
+    sweeper = start_train_py(args, tmp_path / "sweeper.out", train_py_env(), errors=errors)
     try:
         _wait_for_running_trial(storage, name, 0, sweeper)
-        sweeper.send_signal(signal.SIGTERM)
-        stderr = sweeper.communicate(timeout=120)[1].decode()
+        os.kill(sweeper.pid, signal.SIGTERM)
+        sweeper.wait(timeout=120)
     finally:
         sweeper.kill()
+    stderr = errors.read_text()
     assert sweeper.returncode == 143, stderr[-3000:]
     assert "Traceback" not in stderr and "memfit: the sweep was stopped by SIGTERM" in stderr
 
@@ -623,7 +620,7 @@ def test_sigterm_stops_a_sweep_recording_its_trial_interrupted_and_the_rerun_mea
     (trial_run,) = [r for r in runs if r.data.tags.get("memfit.trial") == "0"]
     assert trial_run.info.status == "KILLED" and "SIGTERM" in trial_run.data.tags["memfit.reason"]
 
-    again = subprocess.run(command, cwd=ROOT, env=train_py_env(), capture_output=True, text=True, timeout=600)
+    again = run_train_py(*args, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     study = optuna.load_study(study_name=name, storage=storage)
     retried = [t for t in study.trials if t.user_attrs.get("retry_of") == 0]

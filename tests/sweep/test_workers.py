@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 from datetime import datetime, timedelta
@@ -22,6 +21,7 @@ from tests.conftest import (
     mlflow_server,
     readme_command,
     serving,
+    start_train_py,
     sweep_outputs,
     train_py_env,
 )
@@ -82,9 +82,10 @@ def _readme_mlflow_server(port: int, tmp_path) -> list[str]:
     ] + ONE_WORKER
 
 
-def _start(command: list[str], tmp_path, index: int) -> subprocess.Popen:
-    log = open(tmp_path / f"worker{index}.log", "w")  # noqa: SIM115 - the process owns it until it ends
-    return subprocess.Popen(command, cwd=ROOT, env=train_py_env(), stdout=log, stderr=subprocess.STDOUT)
+def _start(command: list[str], tmp_path, index: int):
+    """A worker's `python train.py ...`, forked from this test process's fork server (tests.conftest.run_train_py)."""
+    assert command[:2] == [sys.executable, str(ROOT / "train.py")]
+    return start_train_py(command[2:], tmp_path / f"worker{index}.log", train_py_env())
 
 
 def _trials_run(storage: str) -> list:
@@ -153,7 +154,7 @@ def test_a_killed_worker_leaves_its_trial_failed_and_the_study_goes_on(postgres,
     assert len(retried) <= 1 and all(t.state == optuna.trial.TrialState.COMPLETE for t in retried)
 
 
-def _running_trial_of(proc: subprocess.Popen, storage: str, timeout: float = 300):
+def _running_trial_of(proc, storage: str, timeout: float = 300):
     """The trial `proc` is running, once it runs one (the owner the sweeper records on each trial)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -30,13 +30,15 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class TrialJob:
-    """What a forked trial process needs: the app's argv (script first, overrides included), where its output goes,
-    the environment a fresh process would have had, and the cores it may use (None: all)."""
+    """What a forked trial process needs: the app's argv (script first, overrides included), where its output goes
+    (stderr with stdout unless `errors` names a file of its own), the environment a fresh process would have had,
+    and the cores it may use (None: all)."""
 
     argv: list[str]
     log: str
     env: dict[str, str]
     cores: list[int] | None = None
+    errors: str | None = None
 
 
 def run_script(script: str) -> int:
@@ -151,10 +153,10 @@ def run_forked(job: TrialJob) -> None:
     stdout and stderr in the trial's log."""
     server = os.getppid()
     _die_with_sweeper()
-    fd = os.open(job.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+    for target, path in ((1, job.log), (2, job.errors or job.log)):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, target)
+        os.close(fd)
     from memfit.sweep import warm_imports
 
     if warm_imports.CUDA_INITIALISED:  # pragma: no cover - a library that initialises CUDA on import

@@ -147,6 +147,16 @@ def _fork_server() -> Any:
     return context
 
 
+def fork_process(job: Any, name: str) -> ForkedTrial:
+    """Start `job` (a memfit.sweep.trial_process.TrialJob) in a process forked from this process's fork server,
+    started on first use: `python <job.argv>` as a fresh process would run it, less the imports."""
+    from memfit.sweep.trial_process import run_forked
+
+    process = _fork_server().Process(target=run_forked, args=(job,), name=name)
+    process.start()
+    return ForkedTrial(process)
+
+
 class ProcessTrials:
     """`python <app> <overrides> hydra.run.dir=<sweep dir>/<job>` per trial, in its own process; up to len(batch)
     at once. With `fork` (hydra.sweeper.fork_trials), the process is forked from the fork server, whose imports
@@ -215,13 +225,11 @@ class ProcessTrials:
     def _start(self, overrides: list[str], log_path: Path) -> Any:
         script_argv = [*self.app_argv[1:], *overrides]
         if self.fork:
-            from memfit.sweep.trial_process import TrialJob, run_forked
+            from memfit.sweep.trial_process import TrialJob
 
             log_path.write_text("")  # the trial appends to its own, fresh log
             job = TrialJob(script_argv, str(log_path), dict(self.env), self.cores)
-            process = _fork_server().Process(target=run_forked, args=(job,), name=f"trial {log_path.parent.name}")
-            process.start()
-            return ForkedTrial(process)
+            return fork_process(job, f"trial {log_path.parent.name}")
         setup = _pinned_setup(self.cores) if self.cores else CHILD_SETUP
         with open(log_path, "w") as log_file:  # the child holds its own descriptor
             return subprocess.Popen(
