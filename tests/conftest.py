@@ -190,6 +190,12 @@ def free_port() -> int:
 ONE_WORKER = ["--workers", "1"]
 
 
+# MLflow 3's server starts job-queue consumers (huey processes, for its GenAI jobs) beside the web server: 3-4
+# processes of ~7 CPU-seconds each per server here, for jobs memfit never submits. Off, except where a browser shows
+# the UI (serving's `jobs`): with them off, an overlay took the UI's first click in the browser test.
+NO_JOBS = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+
+
 def mlflow_server(store: str, port: int) -> list[str]:
     """`mlflow server` on 127.0.0.1 with one worker."""
     return ["mlflow", "server", "--backend-store-uri", store, "--host", "127.0.0.1", "--port", str(port), *ONE_WORKER]
@@ -217,12 +223,22 @@ def finished_runs(output_dir) -> list:
 
 
 @contextlib.contextmanager
-def serving(command: list[str], port: int, cwd: Path, timeout_s: float = 240, health: str = "/health") -> Iterator[str]:
+def serving(
+    command: list[str], port: int, cwd: Path, timeout_s: float = 240, health: str = "/health", jobs: bool = False
+) -> Iterator[str]:
     """Run a server command (MLflow's, optuna-dashboard) until the block ends; yields its base URL once `health`
-    answers 200. Its output goes to `<cwd>/<command>.log`, whose tail a failure to start shows."""
+    answers 200. Its output goes to `<cwd>/<command>.log`, whose tail a failure to start shows. jobs: MLflow's job
+    execution as by default (see NO_JOBS)."""
     log_path = cwd / f"{Path(command[0]).name}-{port}.log"
     with log_path.open("w") as log:
-        server = subprocess.Popen(command, cwd=cwd, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
+        server = subprocess.Popen(
+            command,
+            cwd=cwd,
+            env={**os.environ, **({} if jobs else NO_JOBS)},
+            start_new_session=True,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + timeout_s

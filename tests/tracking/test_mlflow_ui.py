@@ -131,7 +131,7 @@ def test_the_runs_table_shows_every_trial_with_loss_and_peak_and_the_pareto_plot
     command = mlflow_server(store, port)
     wait = WebDriverWait(browser, 60)
     shots = artifacts_dir()
-    with serving(command, port, cwd=tmp_path) as url:
+    with serving(command, port, cwd=tmp_path, jobs=True) as url:  # the UI as a user's server shows it
         browser.get(f"{url}/#/experiments/{experiment}")
         model_training = (By.XPATH, "//*[normalize-space(text())='Model training']")
         wait.until(ec.element_to_be_clickable(model_training)).click()
