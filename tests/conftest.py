@@ -143,15 +143,20 @@ def readme_command(prefix: str) -> list[str]:
 
 # timeout: README runs have taken up to 298 s on an AVX-512 host and over 600 s on 2 cores of an AVX2 EPYC
 def run_train_py(
-    *args: str, cwd: Path = ROOT, timeout: int = 1500, quiet: bool = True, fresh: bool = False
+    *args: str,
+    cwd: Path = ROOT,
+    timeout: int = 1500,
+    quiet: bool = True,
+    fresh: bool = False,
+    extra_env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
     """`python train.py ARGS` as a user runs it (quiet: as under CI, no progress bars), its stdout and stderr apart.
 
     fresh: in a new interpreter, as the README's commands are run. Otherwise forked from this test process's fork
     server, which imported torch, transformers and MLflow once: a sweep's trials run that way
     (memfit.sweep.trials.fork_process, as a fresh process would run them), and a run saves the ~10 CPU-seconds of
-    imports, most of a tiny run's cost on 2 cores."""
-    env = train_py_env()
+    imports, most of a tiny run's cost on 2 cores. extra_env: set in the run's environment."""
+    env = {**train_py_env(), **(extra_env or {})}
     if not quiet:
         env.pop("CI", None)
     if fresh:

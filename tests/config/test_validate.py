@@ -229,12 +229,7 @@ def test_a_command_line_config_error_is_one_line_naming_the_key(tmp_path, overri
 
 
 def test_hydra_full_error_still_shows_the_full_trace():
-    import subprocess
-    import sys
+    from tests.conftest import run_train_py
 
-    from tests.conftest import ROOT, train_py_env
-
-    env = {**train_py_env(), "HYDRA_FULL_ERROR": "1"}
-    argv = [sys.executable, str(ROOT / "train.py"), "memory.max_lable_length=64"]
-    out = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    out = run_train_py("memory.max_lable_length=64", extra_env={"HYDRA_FULL_ERROR": "1"}, timeout=120)
     assert out.returncode == 1 and "Traceback" in out.stderr and "max_lable_length" in out.stderr
