@@ -355,11 +355,8 @@ def pytest_collection_finish(session) -> None:
     run: 5.4 -> 3.0 CPU-seconds here."""
     import gc
 
-    nvml_check = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
     import memfit.sweep.warm_imports  # noqa: F401 - the imports are the point
 
-    if nvml_check is None:  # the fork server's setting, not this process's
-        os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
     gc.collect()
     gc.freeze()
 

@@ -587,9 +587,6 @@ def test_sigterm_stops_a_sweep_recording_its_trial_interrupted_and_the_rerun_mea
     """SIGTERM to the sweeper mid-trial: the trial process is stopped too and ends its MLflow run KILLED, the trial is
     FAIL `interrupted` with its configuration queued again, the sweep's run ends KILLED, and the sweeper exits 143;
     rerunning the command measures the queued configuration."""
-    import os
-    import signal
-
     from tests.conftest import run_train_py, start_train_py, train_py_env
 
     args = [*SMALL_SWEEP, *sweep_outputs(tmp_path), "hydra.sweeper.n_trials=1"]
@@ -598,7 +595,7 @@ def test_sigterm_stops_a_sweep_recording_its_trial_interrupted_and_the_rerun_mea
     sweeper = start_train_py(args, tmp_path / "sweeper.out", train_py_env(), errors=errors)
     try:
         _wait_for_running_trial(storage, name, 0, sweeper)
-        os.kill(sweeper.pid, signal.SIGTERM)
+        sweeper.terminate()  # SIGTERM, as `kill` sends it
         sweeper.wait(timeout=120)
     finally:
         sweeper.kill()

@@ -28,14 +28,22 @@ def warm(modules: tuple[str, ...] = MODULES) -> None:
     import os
 
     # an import that asks torch.cuda.is_available() would otherwise initialise the CUDA driver here, which a forked
-    # process cannot use; through NVML the answer touches no driver state (the trials' own environment replaces this)
+    # process cannot use; through NVML the answer touches no driver state. Only while importing: a process that
+    # imports this module for the imports alone (the test suite's) keeps its own environment.
+    before = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
-    import matplotlib
+    try:
+        import matplotlib
 
-    matplotlib.use("Agg")  # what a trial would pick without a display; set before pyplot is imported
-    for name in modules:
-        with contextlib.suppress(Exception):  # an optional extra or a broken install: the trial reports it
-            importlib.import_module(name)
+        matplotlib.use("Agg")  # what a trial would pick without a display; set before pyplot is imported
+        for name in modules:
+            with contextlib.suppress(Exception):  # an optional extra or a broken install: the trial reports it
+                importlib.import_module(name)
+    finally:
+        if before is None:
+            del os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"]
+        else:
+            os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = before
 
 
 def cuda_initialised() -> bool:
