@@ -31,6 +31,47 @@ def test_tags_are_written_in_batches_masked_and_all_kept(tmp_path):
     assert all(tags[f"memfit.tag{i}"] == str(i) for i in range(150))
 
 
+def _dump(path) -> list[str]:
+    """A sqlite file's schema and rows as a multiset of lines, creation times masked: the order of tables, indexes
+    and a table's constraints differs between two stores MLflow migrates itself."""
+    import contextlib
+    import re
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        statements = [re.sub(r",\d{13},\d{13},", ",TIME,TIME,", line) for line in db.iterdump()]
+    return sorted(line.strip().rstrip(",") for statement in statements for line in statement.splitlines())
+
+
+def test_a_new_store_holds_what_mlflow_writes_into_a_store_it_creates(tmp_path, monkeypatch):
+    """A new store starts as a copy of an empty one MLflow migrated once (kept in memfit's cache): the same schema
+    and rows as a store MLflow creates itself, the Default experiment's artifact root where its opener puts it."""
+    from mlflow.tracking import MlflowClient
+
+    from memfit.tracking import empty_store_template, tracking_uri
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")  # MLflow's default artifact root is ./mlruns
+    ours = tracking_uri(OmegaConf.create({"output_dir": str(tmp_path / "ours"), "tracking": {"uri": None}}))
+    assert empty_store_template().parent == tmp_path / "cache" / "memfit"
+    MlflowClient(f"sqlite:///{tmp_path / 'mlflow_own.db'}").search_experiments()
+    assert _dump(ours.removeprefix("sqlite:///")) == _dump(tmp_path / "mlflow_own.db")
+    (default,) = MlflowClient(ours).search_experiments()
+    assert default.name == "Default" and default.artifact_location == str(tmp_path / "here" / "mlruns" / "0")
+
+
+def test_without_a_writable_cache_mlflow_migrates_the_new_store_itself(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    from memfit.tracking import tracking_uri
+
+    (tmp_path / "cache").write_text("a file where the cache folder would be")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    uri = tracking_uri(OmegaConf.create({"output_dir": str(tmp_path), "tracking": {"uri": None}}))
+    assert [e.name for e in MlflowClient(uri).search_experiments()] == ["Default"]
+
+
 ONE_RUN = """
 import sys, time
 from pathlib import Path
@@ -50,7 +91,9 @@ tracker.finish("FINISHED")
 
 
 def test_four_runs_started_together_on_a_new_sqlite_store_all_finish(tmp_path):
-    """The store does not exist yet: one process creates and migrates it under a lock, the others wait for it."""
+    """Neither the store nor memfit's empty-store template exists yet: one process builds each under a lock, the
+    others wait for it."""
+    import os
     import subprocess
     import sys
 
@@ -60,7 +103,11 @@ def test_four_runs_started_together_on_a_new_sqlite_store_all_finish(tmp_path):
 
     go = tmp_path / "go"
     procs = [
-        subprocess.Popen([sys.executable, "-c", ONE_RUN, str(tmp_path), str(go), f"run-{i}"], stderr=subprocess.PIPE)
+        subprocess.Popen(
+            [sys.executable, "-c", ONE_RUN, str(tmp_path), str(go), f"run-{i}"],
+            stderr=subprocess.PIPE,
+            env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")},  # they build memfit's store template too
+        )
         for i in range(4)
     ]
     go.touch()
