@@ -494,6 +494,7 @@ SMALL_SWEEP = [
     "hydra.sweeper.coverage_floor=0",
     "hydra.sweeper.effective_batch=null",
     "trainer.seed=range(0,1000)",  # distinct configurations that no measured OOM dominates
+    "trainer.batch_size=choice(1,2,4,8,16,32)",  # no sizing job (the SIGTERM test keeps the recipe's)
 ]
 
 
@@ -589,7 +590,8 @@ def test_sigterm_stops_a_sweep_recording_its_trial_interrupted_and_the_rerun_mea
     rerunning the command measures the queued configuration."""
     from tests.conftest import run_train_py, start_train_py, train_py_env
 
-    args = [*SMALL_SWEEP, *sweep_outputs(tmp_path), "hydra.sweeper.n_trials=1"]
+    recipe_batches = [a for a in SMALL_SWEEP if not a.startswith("trainer.batch_size")]  # sized in a forked job
+    args = [*recipe_batches, *sweep_outputs(tmp_path), "hydra.sweeper.n_trials=1"]
     name, storage = "memfit-tiny_seq2seq-aclsum-nobudget", f"sqlite:///{tmp_path}/optuna.db"
     errors = tmp_path / "sweeper.err"
     sweeper = start_train_py(args, tmp_path / "sweeper.out", train_py_env(), errors=errors)
@@ -602,6 +604,7 @@ def test_sigterm_stops_a_sweep_recording_its_trial_interrupted_and_the_rerun_mea
     stderr = errors.read_text()
     assert sweeper.returncode == 143, stderr[-3000:]
     assert "Traceback" not in stderr and "memfit: the sweep was stopped by SIGTERM" in stderr
+    assert "trainer.batch_size: sized by the memory model" in stderr + (tmp_path / "sweeper.out").read_text()
 
     study = optuna.load_study(study_name=name, storage=storage)
     first = study.trials[0]
@@ -619,6 +622,7 @@ def test_sigterm_stops_a_sweep_recording_its_trial_interrupted_and_the_rerun_mea
 
     again = run_train_py(*args, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
+    assert f"(as study {name} recorded them)" in again.stdout + again.stderr  # no second sizing job
     study = optuna.load_study(study_name=name, storage=storage)
     retried = [t for t in study.trials if t.user_attrs.get("retry_of") == 0]
     assert len(retried) == 1 and retried[0].state == optuna.trial.TrialState.COMPLETE
@@ -870,6 +874,7 @@ def test_a_sweep_with_nothing_feasible_exits_3_naming_the_constraint_that_binds(
         "model=tiny_seq2seq",
         "budget.gib=1.7",
         "memory.max_label_length=choice(8,16)",
+        "trainer.batch_size=choice(1,4)",  # no sizing job: the data alone decides this sweep
         "hydra.sweeper.n_trials=2",
         "data.max_train_samples=48",
         *IN_PROCESS,
@@ -893,3 +898,48 @@ def test_a_sweep_with_nothing_feasible_exits_3_naming_the_constraint_that_binds(
     assert "memory.max_label_length: [8, 16]\n" in text
     assert "memory.max_source_length: [" in text and "(the data's p90, p99, p99.9, longest)" in text
     assert not (tmp_path / "preset").exists()
+
+
+def test_the_recipes_batch_choices_are_sized_by_the_memory_model_and_a_rerun_searches_the_same(tmp_path):
+    """The recipe's `trainer.batch_size: fits`: one estimate_only job before the first trial predicts the largest
+    batch that fits at the space's shortest lengths, and the batch choices are sized from it, printed and recorded
+    on the sweep's run; the same command again searches the choices its study recorded, with no sizing job."""
+    from memfit.sweep.sizing import Sizing
+
+    args = [
+        "-m",
+        "sweep=budget",
+        "model=tiny_seq2seq",
+        "budget.gib=null",  # the host's free memory: every trial fits, whatever the sampler draws
+        "memory.max_label_length=choice(32,256)",
+        "memory.max_source_length=256",
+        "hydra.sweeper.coverage_floor=0",
+        "trainer.max_steps=2",
+        "memory.precision=fp32",
+        "data.max_train_samples=48",
+        *IN_PROCESS,
+        *sweep_outputs(tmp_path),
+    ]
+    first = run_train_py(*args, "hydra.sweeper.n_trials=1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    said = first.stdout + first.stderr
+    at = "memory.max_source_length=256, memory.max_label_length=32"  # the shortest label searched
+    largest = int(re.search(rf"sized by the memory model: largest batch predicted to fit at {at}: (\d+)", said)[1])
+    choices = Sizing(largest, 48, {}).choices()  # capped at the 48 training samples (here, reached)
+    assert f"trainer.batch_size: {choices} (sized by the memory model" in said
+    client = MlflowClient(default_tracking_uri(str(tmp_path)))
+    runs = client.search_runs([client.get_experiment_by_name("memfit").experiment_id])
+    (parent,) = [r for r in runs if "memfit.sweep" in r.data.tags]
+    recorded = Path(client.download_artifacts(parent.info.run_id, "search_space.txt", str(tmp_path))).read_text()
+    assert f"trainer.batch_size: {choices} (sized by the memory model" in recorded
+    assert len(runs) == 2  # the sweep's run and its trial's: the sizing job records nothing
+
+    again = run_train_py(*args, "hydra.sweeper.n_trials=2")
+    assert again.returncode == 0, again.stderr[-3000:]
+    said = again.stdout + again.stderr
+    assert "sized by the memory model" not in said and f"trainer.batch_size: {choices} (as study" in said
+    study = optuna.load_study(
+        study_name="memfit-tiny_seq2seq-aclsum-nobudget", storage=f"sqlite:///{tmp_path}/optuna.db"
+    )
+    ran = [t for t in study.trials if not t.user_attrs.get("not_run")]
+    assert len(ran) == 2 and all(t.params["trainer.batch_size"] in choices for t in ran)

@@ -20,6 +20,7 @@ class RunReport:
     limit_gib: float | None = None  # what the preflight judged it against (budget minus margin)
     worst_case_shape: list[int] | None = None  # [batch, source, label]
     max_batch: int | None = None
+    max_batch_cap: int | None = None  # where the largest-batch search stopped looking (limit or training samples)
     label_coverage: float | None = None
     tokens_per_s: float | None = None
     tokens_per_s_spread: float | None = None  # the steady steps' tokens/s: standard deviation over mean

@@ -153,6 +153,7 @@ def estimate(ctx: RunContext, setup: TrainingSetup) -> RunReport:
         predicted_peak_gib=result.peak.reserved / GIB if result.peak else None,
         limit_gib=limit / GIB,
         max_batch=result.largest_batch,
+        max_batch_cap=upper,
         calibration=calibration_path(cfg.calibration.cache_dir, calibration),
     )
 

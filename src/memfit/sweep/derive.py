@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig
 
-from memfit.sweep.space import BATCHING, SweepConfigError, parse_search
+from memfit.sweep.sizing import FITS
+from memfit.sweep.space import BATCH, BATCHING, SweepConfigError, budget_shaped, parse_search
 
 log = logging.getLogger("memfit.sweep")
 
@@ -33,6 +34,17 @@ class SearchSpace:
     fixed: list[str]
     lengths: Any = None  # sweep.screen.DataLengths, where they were read to derive the space
     derived: dict[str, list[int]] = field(default_factory=dict)
+    to_size: bool = False  # trainer.batch_size: fits, its choices still to be sized (sweep.sizing)
+    sized_here: bool = False  # sized by this sweep's own job (a shared study's recorded choices win over them)
+    notes: dict[str, str] = field(default_factory=dict)  # how a key's choices were made, where the data made them
+
+    def sized(self, sizing: Any) -> None:
+        """Batch choices from the memory model's sizing (a sweep.sizing.Sizing)."""
+        from optuna.distributions import CategoricalDistribution
+
+        self.space[BATCH] = CategoricalDistribution(sizing.choices())
+        self.notes[BATCH] = sizing.describe()
+        self.to_size, self.sized_here = False, True
 
     def describe(self) -> str:
         """The space as the log and the sweep's MLflow run show it, one parameter a line."""
@@ -40,7 +52,7 @@ class SearchSpace:
         for key, distribution in self.space.items():
             values = getattr(distribution, "choices", None)
             shown = list(values) if values is not None else repr(distribution)
-            how = " (the data's p90, p99, p99.9, longest)" if key in self.derived else ""
+            how = f" ({self.notes[key]})" if key in self.notes else ""
             lines.append(f"{key}: {shown}{how}")
         return "\n".join(lines)
 
@@ -87,11 +99,16 @@ def search_space(arguments: list[str], params: dict[str, Any], config: DictConfi
     unknown = [key for key in wanted if key not in RAW]
     if unknown:
         raise SweepConfigError(f"{unknown[0]}={DERIVED}: only {' and '.join(RAW)} are derived from the data")
-    space, fixed = parse_search(arguments, {k: v for k, v in params.items() if k not in wanted})
+    sized = [key for key, value in params.items() if str(value) == FITS]
+    for key in sized:
+        if key != BATCH:
+            raise SweepConfigError(f"{key}={FITS}: only {BATCH} is sized by the memory model")
+    space, fixed = parse_search(arguments, {k: v for k, v in params.items() if k not in wanted and k not in sized})
     given = {line.split("=", 1)[0].lstrip("+~") for line in fixed}
     wanted = [key for key in wanted if key not in space and key not in given]
     found = SearchSpace(space, fixed)
-    if not space and not wanted:
+    found.to_size = bool(sized) and BATCH not in space and BATCH not in given and _fixed_batches(space, config)
+    if not space and not wanted and not found.to_size:
         raise SweepConfigError(
             "hydra.sweeper.params is empty and no choice(...)/range(...)/interval(...) override was given: "
             "the sweep has nothing to search"
@@ -109,5 +126,14 @@ def search_space(arguments: list[str], params: dict[str, Any], config: DictConfi
     for key in wanted:
         choices = length_choices(getattr(lengths, RAW[key]), config.memory.pad_to_multiple_of, cap)
         found.derived[key] = choices
+        found.notes[key] = "the data's p90, p99, p99.9, longest"
         space[key] = CategoricalDistribution(choices)
     return found
+
+
+def _fixed_batches(space: dict[str, Any], config: DictConfig) -> bool:
+    """Whether some trial trains fixed batches (budget-shaped ones take the effective batch, not a batch size)."""
+    batching = space.get(BATCHING)
+    if batching is not None:
+        return "fixed" in getattr(batching, "choices", ())
+    return not budget_shaped({}, config.trainer.batching)

@@ -99,8 +99,6 @@ def open_study(
     `choose_name(storage)`, where given, names the study from what the open storage holds (sweep.naming)."""
     import optuna
 
-    from memfit.tracking import mask_credentials
-
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     parallel = max(settings.n_jobs, len(settings.devices or []))
     for attempt in range(attempts):
@@ -127,12 +125,36 @@ def open_study(
             if racing and attempt < attempts - 1:
                 time.sleep(0.5 + attempt)
                 continue
-            first = str(err).splitlines()[0] if str(err) else type(err).__name__
-            raise SweepConfigError(
-                f"hydra.sweeper.storage={mask_credentials(url)} cannot be opened ({mask_credentials(first)[:200]}):"
-                " check the URL, the server and its credentials, or leave storage null for sqlite under output_dir"
-            ) from None
+            raise _cannot_open(url, err) from None
     raise AssertionError("unreachable")
+
+
+def _cannot_open(url: str, err: Exception) -> SweepConfigError:
+    from memfit.tracking import mask_credentials
+
+    first = str(err).splitlines()[0] if str(err) else type(err).__name__
+    return SweepConfigError(
+        f"hydra.sweeper.storage={mask_credentials(url)} cannot be opened ({mask_credentials(first)[:200]}):"
+        " check the URL, the server and its credentials, or leave storage null for sqlite under output_dir"
+    )
+
+
+def study_user_attrs(url: str, name: str) -> dict[str, Any]:
+    """The user attributes of the study `name` at `url`, read before the sweep opens it (empty where there is no
+    such study yet); a storage that cannot be opened is the SweepConfigError open_study would give, said before
+    any job runs."""
+    try:
+        if url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).exists():
+            Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+            return {}
+        with _creating(url):
+            opened = _storage(url, None, lambda study, trial: None)
+    except Exception as err:  # noqa: BLE001 - SQLAlchemy cannot open the URL: driver, host, credentials, path
+        raise _cannot_open(url, err) from None
+    try:
+        return opened.get_study_user_attrs(opened.get_study_id_from_name(name))
+    except KeyError:
+        return {}
 
 
 @contextmanager

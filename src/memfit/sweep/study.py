@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 
 from memfit.config import limit_gib
 from memfit.progress import progress_bar
-from memfit.sweep import naming, proposals, runs, storage, verdict
+from memfit.sweep import naming, proposals, runs, sizing, storage, verdict
 from memfit.sweep.derive import SearchSpace, search_space
 from memfit.sweep.ladder import write_ladder
 from memfit.sweep.outcome import directions, is_feasible
@@ -33,6 +33,7 @@ from memfit.sweep.settings import check_settings
 from memfit.sweep.space import held_step, segment_steps, suggest
 from memfit.sweep.telling import TrialTeller
 from memfit.sweep.trials import InProcessTrials, ProcessTrials, app_argv, core_sets, trial_env
+from memfit.tracking import mask_credentials
 
 log = logging.getLogger("memfit.sweep")
 
@@ -120,18 +121,25 @@ class BudgetSweep:
             return f"{s.study_name}-{budget}" if s.budgets else s.study_name
         return f"memfit-{cfg.model.name}-{cfg.data.name}-{budget}"
 
-    def _open(self) -> tuple[Any, Any]:
-        from memfit.tracking import mask_credentials
+    def _measured(self, searched: SearchSpace) -> dict[str, Any]:
+        s = self.settings
+        judged = (s.effective_batch, s.coverage_floor, s.segment_micro_batches)
+        return naming.what_it_measures(searched, self.objectives, *judged)
 
+    def _open(self) -> tuple[Any, Any]:
         url = storage.storage_url(self.settings, self.config)
         s, name = self.settings, self._study_name()
-        judged = (s.effective_batch, s.coverage_floor, s.segment_micro_batches)
-        measured = naming.what_it_measures(self.searched, self.objectives, *judged)
-        chooser = naming.chooser(name, measured, named_by_user=bool(s.study_name))
+
+        def choose(opened: Any) -> str:
+            existing = naming.recorded(opened, name)
+            if self.searched.sized_here:  # a worker that sized the shared study first: its choices win
+                sizing.adopt_recorded(self.searched, existing, self._measured, name)
+            return naming.choose(name, existing, self._measured(self.searched), named_by_user=bool(s.study_name))
+
         study, store = storage.open_study(
-            name, url, s, directions(self.objectives), self._stale_trial, choose_name=chooser
+            name, url, s, directions(self.objectives), self._stale_trial, choose_name=choose
         )
-        naming.record(study, measured)
+        naming.record(study, self._measured(self.searched))
         log.info("study %s in %s: %d trials so far", study.study_name, mask_credentials(url), len(study.trials))
         return study, store
 
@@ -352,9 +360,11 @@ class BudgetSweep:
     def sweep(self, arguments: list[str]) -> list[Any]:
         self.searched = search_space(arguments, dict(self.settings.params or {}), self.config)
         space, fixed = self.searched.space, self.searched.fixed
-        log.info("search space:\n%s", self.searched.describe())
         self.trials.start()  # the fork server imports while the sweeper opens the study and screens the data
         try:
+            if self.searched.to_size:
+                self._size_batches()
+            log.info("search space:\n%s", self.searched.describe())
             summaries = self._sweep_budgets(space, fixed)
             if not any(summaries) and self.verdict:
                 raise verdict.NothingFeasible(self.verdict)
@@ -362,6 +372,19 @@ class BudgetSweep:
         finally:
             for runner in [self.trials, *self.runners.values()]:
                 runner.close()
+
+    def _size_batches(self) -> None:
+        """trainer.batch_size: fits: a continued study's choices, else a sizing job at the top budget (sweep.sizing)."""
+        budgets = self.settings.budgets
+        self.budget_gib = max(budgets) if budgets else self.config.budget.gib
+        name = self._study_name()
+        recorded = storage.study_user_attrs(storage.storage_url(self.settings, self.config), name)
+        if sizing.adopt_recorded(self.searched, recorded.get(naming.MEASURES_ATTR), self._measured, name):
+            return
+        job, self.job_idx = self.job_idx, self.job_idx + 1  # before any trial: no other thread numbers jobs yet
+        top, held = max(budgets) if budgets else None, self.settings.effective_batch
+        overrides = sizing.sizing_overrides(self.searched.space, self.searched.fixed, top, held)
+        self.searched.sized(sizing.size_batches(self.trials, overrides, job))
 
     def _sweep_budgets(self, space: dict[str, Any], fixed: list[str]) -> list[Any]:
         budgets = sorted(float(b) for b in self.settings.budgets or [])

@@ -1,0 +1,78 @@
+"""trainer.batch_size: fits: batch choices from the memory model's largest predicted batch, sized before any trial."""
+
+from __future__ import annotations
+
+import pytest
+
+from memfit.sweep.derive import search_space
+from memfit.sweep.sizing import Sizing, sizing_overrides
+from memfit.sweep.space import SweepConfigError
+
+
+@pytest.mark.parametrize(
+    ("largest", "cap", "choices"),
+    [
+        (24, 48, [1, 2, 4, 8, 16, 32]),  # powers of two up to the prediction and one past it
+        (16, 512, [1, 2, 4, 8, 16, 32]),  # a prediction on a power of two: the next one too
+        (48, 48, [1, 2, 4, 8, 16, 32, 48]),  # the prediction reached the cap (the training samples): it is a choice
+        (32, 48, [1, 2, 4, 8, 16, 32, 48]),  # the next power of two is past the cap: the cap is the one past
+        (300, 300, [1, 2, 4, 8, 16, 32, 64, 128, 256, 300]),
+        (0, 48, [1]),  # not even batch 1 is predicted to fit: its trial says what binds
+        (5, None, [1, 2, 4, 8]),
+    ],
+)
+def test_choices_are_powers_of_two_to_one_past_the_prediction_within_the_cap(largest, cap, choices):
+    assert Sizing(largest, cap, {}).choices() == choices
+
+
+def test_the_sizing_job_runs_the_shortest_lengths_at_batch_1_as_a_trial_would_and_records_nothing(compose_cfg):
+    cfg = compose_cfg("model=tiny_seq2seq")
+    recipe = {"trainer.batch_size": "fits", "memory.max_label_length": "choice(256,32,64)"}
+    searched = search_space(["memory.max_source_length=128"], recipe, cfg)
+    assert searched.to_size and "trainer.batch_size" not in searched.space
+    overrides = sizing_overrides(searched.space, searched.fixed, 24, effective_batch=32)
+    assert overrides[:2] == ["memory.max_source_length=128", "memory.max_label_length=32"]
+    assert {"trainer.batch_size=1", "trainer.batching=fixed", "estimate_only=true", "budget.gib=24"} <= set(overrides)
+    assert "tracking.backend=none" in overrides and "calibration.enabled=true" in overrides
+    # it steps as a trial of batch 1 does, so its cached calibration is the one trials look up
+    assert "trainer.gradient_accumulation_steps=32" in overrides
+    assert not [o for o in sizing_overrides(searched.space, [], None, None) if "accumulation" in o or "budget" in o]
+
+
+def test_fits_is_sized_only_where_a_trial_trains_fixed_batches_and_the_command_line_wins(compose_cfg):
+    cfg = compose_cfg("model=tiny_seq2seq")
+    recipe = {"trainer.batch_size": "fits", "trainer.seed": "choice(1,2)"}
+    assert not search_space(["trainer.batch_size=choice(2,4)"], recipe, cfg).to_size
+    assert not search_space(["trainer.batch_size=8"], recipe, cfg).to_size
+    assert not search_space(["trainer.batching=budget"], recipe, compose_cfg("trainer.batching=budget")).to_size
+    shaped_or_fixed = search_space(["trainer.batching=choice(fixed,budget)"], recipe, cfg)
+    assert shaped_or_fixed.to_size
+    with pytest.raises(SweepConfigError, match=r"^memory.max_label_length=fits: only trainer.batch_size is sized"):
+        search_space([], {"memory.max_label_length": "fits"}, cfg)
+
+
+def test_a_study_another_worker_sized_first_keeps_its_choices(compose_cfg):
+    """Workers sharing a study each size their batches (each calibrating on its own device): whichever opens the study
+    second searches the choices it recorded; a sweep that measures something else keeps its own."""
+    import json
+
+    from memfit.sweep.naming import what_it_measures
+    from memfit.sweep.sizing import adopt_recorded
+
+    cfg = compose_cfg("model=tiny_seq2seq")
+    recipe = {"trainer.batch_size": "fits", "memory.max_label_length": "choice(32,64)"}
+    first, second = search_space([], recipe, cfg), search_space([], recipe, cfg)
+    first.sized(Sizing(8, 48, {}))
+    second.sized(Sizing(16, 48, {}))
+
+    def measured(searched):
+        return what_it_measures(searched, ["throughput"], 32, 0.99)
+
+    recorded = json.loads(json.dumps(measured(first)))  # as the study's storage gives it back
+    assert adopt_recorded(second, recorded, measured, "shared") and not second.sized_here
+    assert second.space["trainer.batch_size"].choices == (1, 2, 4, 8, 16)
+    assert "trainer.batch_size: [1, 2, 4, 8, 16] (as study shared recorded them)" in second.describe()
+    other = search_space(["memory.max_label_length=choice(32,128)"], recipe, cfg)
+    other.sized(Sizing(16, 48, {}))
+    assert not adopt_recorded(other, recorded, measured, "shared")
+    assert other.space["trainer.batch_size"].choices == (1, 2, 4, 8, 16, 32) and other.sized_here
