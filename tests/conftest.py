@@ -54,40 +54,10 @@ def _quiet_environment(monkeypatch):
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
 
 
-_TEMPLATE: Path | None = None
-
-
-def _migrated_store_template() -> Path:
-    """An empty MLflow sqlite store, created once per test process. A new store runs MLflow's whole chain of schema
-    migrations, 4.3 CPU-seconds here, and nearly every test has an output_dir of its own: tests start from a copy of
-    this one instead (seed_mlflow_store). Store creation itself, under memfit's lock, is still tested where a test
-    does not seed (the README's runs, tests/tracking)."""
-    global _TEMPLATE
-    if _TEMPLATE is None:
-        import atexit
-
-        from mlflow.tracking import MlflowClient
-
-        folder = Path(tempfile.mkdtemp(prefix="memfit-test-mlflow-"))
-        atexit.register(shutil.rmtree, folder, ignore_errors=True)
-        MlflowClient(tracking_uri=f"sqlite:///{folder / 'mlflow.db'}").search_experiments(max_results=1)
-        _TEMPLATE = folder / "mlflow.db"
-    return _TEMPLATE
-
-
-def seed_mlflow_store(output_dir: Path) -> None:
-    """`output_dir`'s default MLflow store (mlflow.db), as a copy of a migrated empty one, where there is none yet."""
-    target = Path(output_dir) / "mlflow.db"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(_migrated_store_template(), target)
-
-
 @pytest.fixture
 def compose_cfg(tmp_path):
-    """compose_cfg(*overrides) → the composed train config, outputs under tmp_path (its MLflow store seeded)."""
+    """compose_cfg(*overrides) → the composed train config, outputs under tmp_path."""
     register_configs()
-    seed_mlflow_store(tmp_path / "outputs")
 
     def _compose(*overrides: str):
         GlobalHydra.instance().clear()
@@ -119,8 +89,7 @@ def train_py_env() -> dict[str, str]:
 
 
 def sweep_outputs(tmp_path: Path) -> list[str]:
-    """A sweep's stores, trial directories and presets, all under tmp_path (its MLflow store seeded)."""
-    seed_mlflow_store(tmp_path)
+    """A sweep's stores, trial directories and presets, all under tmp_path."""
     return [
         f"output_dir={tmp_path}",
         f"hydra.sweep.dir={tmp_path}/sweep",

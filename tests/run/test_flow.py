@@ -10,7 +10,7 @@ from mlflow.tracking import MlflowClient
 
 from memfit.run import run
 from memfit.tracking import default_tracking_uri
-from tests.conftest import FAST, run_train_py, seed_mlflow_store
+from tests.conftest import FAST, run_train_py
 
 pytestmark = pytest.mark.slow
 
@@ -152,8 +152,6 @@ def test_a_killed_run_resumes_from_its_checkpoint_in_the_same_mlflow_run(tmp_pat
     the same step)."""
     common = ["model=tiny_seq2seq", *FAST, "trainer.max_steps=6", "trainer.save_steps=2", "tracking.run_name=resumable"]
     common += [*batching, f"calibration.cache_dir={tmp_path / 'calibration'}"]
-    seed_mlflow_store(tmp_path / "straight")
-    seed_mlflow_store(tmp_path / "resumed")
     straight = run_train_py(*common, f"output_dir={tmp_path / 'straight'}")
     assert straight.returncode == 0, straight.stderr[-2000:]
 
@@ -180,7 +178,6 @@ def test_sigterm_ends_the_run_killed_with_its_metrics_and_it_resumes(tmp_path, m
     flushed; trainer.resume=true continues it from checkpoint-2 to the end."""
     common = ["model=tiny_seq2seq", *FAST, "trainer.max_steps=5", "trainer.save_steps=2", "tracking.run_name=preempted"]
     monkeypatch.setenv("MEMFIT_FAULTS", "preempted=term@4")
-    seed_mlflow_store(tmp_path)
     stopped = run_train_py(*common, f"output_dir={tmp_path}")
     monkeypatch.delenv("MEMFIT_FAULTS")
     assert stopped.returncode == 143, stopped.stderr[-2000:]

@@ -121,12 +121,16 @@ def open_study(
                 f"hydra.sweeper.study_name={name}: {err}; use a new study_name for a different objective"
             ) from None
         except Exception as err:  # noqa: BLE001 - SQLAlchemy cannot open the URL: driver, host, credentials, path
-            racing = any(word in str(err).lower() for word in ("duplicate", "already exists", "unique"))
-            if racing and attempt < attempts - 1:
+            if _racing(err) and attempt < attempts - 1:
                 time.sleep(0.5 + attempt)
                 continue
             raise _cannot_open(url, err) from None
     raise AssertionError("unreachable")
+
+
+def _racing(err: Exception) -> bool:
+    """Whether opening failed because another worker was creating the same tables (PostgreSQL: duplicate key)."""
+    return any(word in str(err).lower() for word in ("duplicate", "already exists", "unique"))
 
 
 def _cannot_open(url: str, err: Exception) -> SweepConfigError:
@@ -150,6 +154,8 @@ def study_user_attrs(url: str, name: str) -> dict[str, Any]:
         with _creating(url):
             opened = _storage(url, None, lambda study, trial: None)
     except Exception as err:  # noqa: BLE001 - SQLAlchemy cannot open the URL: driver, host, credentials, path
+        if _racing(err):  # another worker is creating the tables: no study is recorded yet
+            return {}
         raise _cannot_open(url, err) from None
     try:
         return opened.get_study_user_attrs(opened.get_study_id_from_name(name))
