@@ -71,9 +71,11 @@ def _shown(distribution: dict[str, Any] | None) -> str:
     return str(attrs["choices"]) if "choices" in attrs else f"[{attrs.get('low')}, {attrs.get('high')}]"
 
 
-def recorded(storage: Any, name: str) -> dict[str, Any] | None:
-    """What the study of this name in an open storage records that it measures; None where there is no such study
-    or it records nothing (made before studies recorded it)."""
+def recorded(storage: Any | None, name: str) -> dict[str, Any] | None:
+    """What the study of this name in an open storage records that it measures; None where there is no storage
+    (storage.peek) or no such study, or it records nothing (made before studies recorded it)."""
+    if storage is None:
+        return None
     try:
         study_id = storage.get_study_id_from_name(name)
     except KeyError:

@@ -143,24 +143,20 @@ def _cannot_open(url: str, err: Exception) -> SweepConfigError:
     )
 
 
-def study_user_attrs(url: str, name: str) -> dict[str, Any]:
-    """The user attributes of the study `name` at `url`, read before the sweep opens it (empty where there is no
-    such study yet); a storage that cannot be opened is the SweepConfigError open_study would give, said before
-    any job runs."""
+def peek(url: str) -> Any | None:
+    """The storage at `url` opened to read what it holds before the sweep opens its study (None where there is no
+    sqlite file or PostgreSQL's tables are being created: no study is recorded yet); a storage that cannot be opened
+    is the SweepConfigError open_study would give, said before any job runs."""
     try:
         if url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).exists():
             Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-            return {}
+            return None
         with _creating(url):
-            opened = _storage(url, None, lambda study, trial: None)
+            return _storage(url, None, lambda study, trial: None)
     except Exception as err:  # noqa: BLE001 - SQLAlchemy cannot open the URL: driver, host, credentials, path
-        if _racing(err):  # another worker is creating the tables: no study is recorded yet
-            return {}
+        if _racing(err):  # another worker is creating the tables
+            return None
         raise _cannot_open(url, err) from None
-    try:
-        return opened.get_study_user_attrs(opened.get_study_id_from_name(name))
-    except KeyError:
-        return {}
 
 
 @contextmanager

@@ -378,8 +378,8 @@ class BudgetSweep:
         budgets = self.settings.budgets
         self.budget_gib = max(budgets) if budgets else self.config.budget.gib
         name = self._study_name()
-        recorded = storage.study_user_attrs(storage.storage_url(self.settings, self.config), name)
-        if sizing.adopt_recorded(self.searched, recorded.get(naming.MEASURES_ATTR), self._measured, name):
+        recorded = naming.recorded(storage.peek(storage.storage_url(self.settings, self.config)), name)
+        if sizing.adopt_recorded(self.searched, recorded, self._measured, name):
             return
         job, self.job_idx = self.job_idx, self.job_idx + 1  # before any trial: no other thread numbers jobs yet
         top, held = max(budgets) if budgets else None, self.settings.effective_batch
