@@ -40,6 +40,7 @@ def test_audit_counts_truncation_drops_and_coverage():
     )
     assert audit.dropped == 1 and audit.truncated_source == 1 and audit.truncated_label == 0
     assert audit.label_coverage == (5 + 5 + 5) / 100
+    assert audit.source_coverage == (10 + 20 + 25) / 100  # the dropped sample's source is lost, the third cut
     assert audit.worst_train == [BatchShape(2, 25, 5)]
     assert audit.label_raw.max == 85 and audit.label_raw.p50 == 5
 

@@ -33,6 +33,8 @@ def test_the_default_settings_run_and_name_their_objective():
         ({"poll_s": 0}, "hydra.sweeper.poll_s=0.0 must be > 0"),
         ({"segment_micro_batches": 0}, "hydra.sweeper.segment_micro_batches=0 must be > 0"),
         ({"budgets": [16, 0]}, "hydra.sweeper.budgets=0.0 must be > 0"),
+        ({"tie_band": 1.5}, "hydra.sweeper.tie_band=1.5 must be in [0, 1)"),
+        ({"tie_band": -0.1}, "hydra.sweeper.tie_band=-0.1 must be in [0, 1)"),
         ({"sampler": "cmaes"}, "hydra.sweeper.sampler='cmaes': use tpe or random"),
         ({"isolation": "thread"}, "hydra.sweeper.isolation='thread'"),
         ({"objective": "throughput", "direction": "minimize"}, "hydra.sweeper.direction=minimize contradicts"),

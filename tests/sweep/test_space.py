@@ -86,3 +86,7 @@ def test_a_timed_segment_in_micro_batches_times_fewer_steps_of_a_small_batch():
     assert segment_steps({"trainer.batching": "budget"}, {}, 40, trainer) == {}  # the plan's micro-batches
     assert segment_steps({"trainer.max_steps": 7}, {}, 40, trainer) == {}  # the trial's own
     assert segment_steps({}, {}, 40, trainer) == {"trainer.max_steps": 10}  # accumulation 1: 40 steps, at most 10
+    two = OmegaConf.create({"max_steps": 2, "gradient_accumulation_steps": 1, "batching": "fixed"})
+    assert segment_steps({"trainer.batch_size": 1}, {"trainer.gradient_accumulation_steps": 32}, 40, two) == {
+        "trainer.max_steps": 2  # never more steps than the user's trainer.max_steps, even below the usual least
+    }

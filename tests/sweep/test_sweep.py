@@ -258,6 +258,14 @@ def test_the_readme_budget_sweep_finds_and_exports_a_preset(readme_budget_sweep,
     statuses = {t.user_attrs["status"] for t in infeasible}
     assert "preflight_failed" in statuses and statuses <= {"preflight_failed", "predicted_infeasible"}
     assert "best feasible trial" in first.stderr + first.stdout
+    # the pick: the fastest trial, or one within its measured spread (the tie band) that keeps more labels
+    results = OmegaConf.load(next(swept.rglob("optimization_results-*.yaml")))
+    fastest, best = study.trials[results.fastest_trial], study.trials[results.best_trial]
+    assert fastest.value == max(t.value for t in study.trials if t.constraints["memory_gib"] <= 0)
+    assert results.tie_band == pytest.approx(fastest.user_attrs["tokens_per_s_spread"] or 0.0)  # 2 steps: no spread
+    assert best.value >= fastest.value * (1 - results.tie_band)
+    assert best.user_attrs["label_coverage"] >= fastest.user_attrs["label_coverage"]
+    assert (best.number != fastest.number) == ("picked over trial" in first.stderr + first.stdout)
 
     client = MlflowClient(default_tracking_uri(str(swept)))
     runs = client.search_runs([client.get_experiment_by_name("memfit").experiment_id])
@@ -587,7 +595,13 @@ def test_faults_in_trials_and_a_killed_sweeper_lose_nothing(tmp_path, monkeypatc
 def test_sigterm_stops_a_sweep_recording_its_trial_interrupted_and_the_rerun_measures_it(tmp_path):
     """SIGTERM to the sweeper mid-trial: the trial process is stopped too and ends its MLflow run KILLED, the trial is
     FAIL `interrupted` with its configuration queued again, the sweep's run ends KILLED, and the sweeper exits 143;
-    rerunning the command measures the queued configuration."""
+    rerunning the command measures the queued configuration.
+
+    The sweep keeps the recipe's `trainer.batch_size: fits`: one estimate_only job (forked, recording nothing)
+    before the first trial predicts the largest batch that fits at the space's shortest lengths; the batch choices
+    sized from it are printed and recorded on the sweep's run, and the rerun searches the choices its study
+    recorded, with no sizing job."""
+    from memfit.sweep.sizing import Sizing
     from tests.conftest import run_train_py, start_train_py, train_py_env
 
     recipe_batches = [a for a in SMALL_SWEEP if not a.startswith("trainer.batch_size")]  # sized in a forked job
@@ -604,7 +618,11 @@ def test_sigterm_stops_a_sweep_recording_its_trial_interrupted_and_the_rerun_mea
     stderr = errors.read_text()
     assert sweeper.returncode == 143, stderr[-3000:]
     assert "Traceback" not in stderr and "memfit: the sweep was stopped by SIGTERM" in stderr
-    assert "trainer.batch_size: sized by the memory model" in stderr + (tmp_path / "sweeper.out").read_text()
+    said = stderr + (tmp_path / "sweeper.out").read_text()
+    at = "memory.max_source_length=64, memory.max_label_length=32"
+    largest = int(re.search(rf"sized by the memory model: largest batch predicted to fit at {at}: (\d+)", said)[1])
+    choices = Sizing(largest, 24, {}).choices()  # capped at the 24 training samples
+    assert f"trainer.batch_size: {choices} (sized by the memory model" in said
 
     study = optuna.load_study(study_name=name, storage=storage)
     first = study.trials[0]
@@ -617,15 +635,20 @@ def test_sigterm_stops_a_sweep_recording_its_trial_interrupted_and_the_rerun_mea
     assert not [r for r in runs if r.info.status == "RUNNING"]
     (parent,) = [r for r in runs if "memfit.sweep" in r.data.tags]
     assert parent.info.status == "KILLED" and "stopped by SIGTERM" in parent.data.tags["memfit.reason"]
+    recorded = Path(client.download_artifacts(parent.info.run_id, "search_space.txt", str(tmp_path))).read_text()
+    assert f"trainer.batch_size: {choices} (sized by the memory model" in recorded
     (trial_run,) = [r for r in runs if r.data.tags.get("memfit.trial") == "0"]
     assert trial_run.info.status == "KILLED" and "SIGTERM" in trial_run.data.tags["memfit.reason"]
+    assert len(runs) == 2  # the sweep's run and its trial's: the sizing job records nothing
 
     again = run_train_py(*args, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert f"(as study {name} recorded them)" in again.stdout + again.stderr  # no second sizing job
+    said = again.stdout + again.stderr
+    assert "sized by the memory model" not in said and f"trainer.batch_size: {choices} (as study {name}" in said
     study = optuna.load_study(study_name=name, storage=storage)
     retried = [t for t in study.trials if t.user_attrs.get("retry_of") == 0]
     assert len(retried) == 1 and retried[0].state == optuna.trial.TrialState.COMPLETE
+    assert all(t.params["trainer.batch_size"] in choices for t in study.trials)
 
 
 IN_PROCESS = [
@@ -898,48 +921,3 @@ def test_a_sweep_with_nothing_feasible_exits_3_naming_the_constraint_that_binds(
     assert "memory.max_label_length: [8, 16]\n" in text
     assert "memory.max_source_length: [" in text and "(the data's p90, p99, p99.9, longest)" in text
     assert not (tmp_path / "preset").exists()
-
-
-def test_the_recipes_batch_choices_are_sized_by_the_memory_model_and_a_rerun_searches_the_same(tmp_path):
-    """The recipe's `trainer.batch_size: fits`: one estimate_only job before the first trial predicts the largest
-    batch that fits at the space's shortest lengths, and the batch choices are sized from it, printed and recorded
-    on the sweep's run; the same command again searches the choices its study recorded, with no sizing job."""
-    from memfit.sweep.sizing import Sizing
-
-    args = [
-        "-m",
-        "sweep=budget",
-        "model=tiny_seq2seq",
-        "budget.gib=null",  # the host's free memory: every trial fits, whatever the sampler draws
-        "memory.max_label_length=choice(32,256)",
-        "memory.max_source_length=256",
-        "hydra.sweeper.coverage_floor=0",
-        "trainer.max_steps=2",
-        "memory.precision=fp32",
-        "data.max_train_samples=48",
-        *IN_PROCESS,
-        *sweep_outputs(tmp_path),
-    ]
-    first = run_train_py(*args, "hydra.sweeper.n_trials=1")
-    assert first.returncode == 0, first.stderr[-3000:]
-    said = first.stdout + first.stderr
-    at = "memory.max_source_length=256, memory.max_label_length=32"  # the shortest label searched
-    largest = int(re.search(rf"sized by the memory model: largest batch predicted to fit at {at}: (\d+)", said)[1])
-    choices = Sizing(largest, 48, {}).choices()  # capped at the 48 training samples (here, reached)
-    assert f"trainer.batch_size: {choices} (sized by the memory model" in said
-    client = MlflowClient(default_tracking_uri(str(tmp_path)))
-    runs = client.search_runs([client.get_experiment_by_name("memfit").experiment_id])
-    (parent,) = [r for r in runs if "memfit.sweep" in r.data.tags]
-    recorded = Path(client.download_artifacts(parent.info.run_id, "search_space.txt", str(tmp_path))).read_text()
-    assert f"trainer.batch_size: {choices} (sized by the memory model" in recorded
-    assert len(runs) == 2  # the sweep's run and its trial's: the sizing job records nothing
-
-    again = run_train_py(*args, "hydra.sweeper.n_trials=2")
-    assert again.returncode == 0, again.stderr[-3000:]
-    said = again.stdout + again.stderr
-    assert "sized by the memory model" not in said and f"trainer.batch_size: {choices} (as study" in said
-    study = optuna.load_study(
-        study_name="memfit-tiny_seq2seq-aclsum-nobudget", storage=f"sqlite:///{tmp_path}/optuna.db"
-    )
-    ran = [t for t in study.trials if not t.user_attrs.get("not_run")]
-    assert len(ran) == 2 and all(t.params["trainer.batch_size"] in choices for t in ran)

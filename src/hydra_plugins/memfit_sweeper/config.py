@@ -19,6 +19,9 @@ class MemfitSweeperConf:
     objective: str = "epoch_throughput"  # epoch_throughput | throughput | loss | coverage | peak | pareto
     pareto: list[str] = field(default_factory=lambda: ["throughput", "loss"])  # objectives of objective=pareto
     coverage_floor: float = 0.0  # a trial keeping less than this share of label tokens is infeasible
+    # throughput objectives: trials within this share of the fastest are ties, and the one keeping the most label,
+    # then source tokens is picked (sweep.ties); null: the fastest trial's measured spread; 0: the fastest
+    tie_band: float | None = None
     # tell without running a configuration the memory model predicts over budget × (1 + margin); null: never
     predict_margin: float | None = 0.1
     # throughput objectives: once the memory model can predict every configuration whose outcome is unknown, the next

@@ -67,6 +67,7 @@ class LengthAudit:
     truncated_label: int  # samples whose label the max length cut
     dropped: int  # samples the over-length policy removed
     label_coverage: float  # share of raw label tokens that training sees
+    source_coverage: float = 1.0  # share of raw source (prompt) tokens that training sees
     label_lost_truncate: int = 0  # label tokens over-long samples lose under memory.overlength=truncate
     label_lost_drop: int = 0  # label tokens of the samples memory.overlength=drop removes
     over_long: int = 0  # samples longer than either max length (what truncate cuts, or drop removes)
@@ -97,6 +98,7 @@ class LengthAudit:
                 "audit/truncated_label": self.truncated_label,
                 "audit/dropped": self.dropped,
                 "audit/label_coverage": self.label_coverage,
+                "audit/source_coverage": self.source_coverage,
                 "audit/label_lost_truncate": self.label_lost_truncate,
                 "audit/label_lost_drop": self.label_lost_drop,
             }
@@ -178,6 +180,7 @@ def audit_lengths(
         truncated_label=int(((label_raw > max_label) & kept).sum()),
         dropped=int((~kept).sum()),
         label_coverage=float(truncated[kept].sum() / total_label) if total_label else 1.0,
+        source_coverage=float(source_cut.sum() / source_raw.sum()) if source_raw.sum() else 1.0,
         label_lost_truncate=int(total_label - truncated.sum()),
         label_lost_drop=int(label_raw[over].sum()),
         over_long=int(over.sum()),

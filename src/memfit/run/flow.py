@@ -116,6 +116,7 @@ def _with_worst_case(report: RunReport, ctx: RunContext, worst: WorstCase) -> Ru
     """The preflight's and the memory model's findings, copied into the run's report."""
     report.run_id, report.meter = ctx.tracker.run_id, ctx.meter.label
     report.label_coverage = ctx.prepared.audit.label_coverage
+    report.source_coverage = ctx.prepared.audit.source_coverage
     if worst.calibration is not None:
         report.calibration = calibration_path(ctx.cfg.calibration.cache_dir, worst.calibration)
         report.predicted_peak_gib = worst.predicted_peak_gib

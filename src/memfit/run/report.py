@@ -22,6 +22,7 @@ class RunReport:
     max_batch: int | None = None
     max_batch_cap: int | None = None  # where the largest-batch search stopped looking (limit or training samples)
     label_coverage: float | None = None
+    source_coverage: float | None = None
     tokens_per_s: float | None = None
     tokens_per_s_spread: float | None = None  # the steady steps' tokens/s: standard deviation over mean
     epoch_tokens_per_s: float | None = None  # a whole epoch's, from the segment's steps and the epoch's batch plan

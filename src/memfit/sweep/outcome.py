@@ -35,6 +35,7 @@ ATTRS = (
     "tokens_per_s_spread",  # the segment's steady steps' tokens/s: standard deviation over mean
     "epoch_tokens_per_s",  # the epoch's tokens/s estimated from the segment and the epoch's batch plan
     "label_coverage",
+    "source_coverage",  # a tie on throughput goes to the trial keeping more label, then source tokens (sweep.ties)
     "final_loss",
     "eval_loss",
     "train_tokens",

@@ -11,6 +11,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from memfit.config import limit_gib
+from memfit.sweep import ties
 from memfit.sweep.outcome import constraint_dict, directions, is_feasible
 from memfit.sweep.space import ACCUMULATION, BATCH, held_step
 
@@ -32,6 +33,12 @@ class SweepView:
     fixed: tuple[str, ...]  # the fixed overrides the trials ran with, which the preset carries
     effective_batch: int | None
     preset_dir: str
+    tie_band: float | None = None  # hydra.sweeper.tie_band (sweep.ties)
+
+    @classmethod
+    def of(cls, config: DictConfig, objectives: Any, budget_gib: float | None, fixed: Any, s: Any) -> SweepView:
+        """The view of a study run with the sweeper settings `s` (hydra.sweeper)."""
+        return cls(config, tuple(objectives), budget_gib, tuple(fixed), s.effective_batch, s.preset_dir, s.tie_band)
 
 
 def _dominates(a: list[float], b: list[float], dirs: list[str]) -> bool:
@@ -101,11 +108,11 @@ def near_limit_warning(best: Any, feasible: list[Any], dirs: list[str]) -> str |
     return text
 
 
-def _log_best(best: Any, names: list[str], preset: Path, results_path: Path, front: int) -> None:
+def _log_best(best: Any, names: list[str], preset: Path, results_path: Path, front: int, why: str) -> None:
     """The line a user reads at the end of a sweep."""
     log.info(
         "best feasible trial %d: %s = %s, worst-case peak %.2f GiB, %.0f tokens/s, label coverage %.1f%%, "
-        "params %s; preset written to %s (load it with: python train.py +preset=%s)%s",
+        "params %s%s; preset written to %s (load it with: python train.py +preset=%s)%s",
         best.number,
         names[0],
         f"{best.values[0]:.4g}",
@@ -113,6 +120,7 @@ def _log_best(best: Any, names: list[str], preset: Path, results_path: Path, fro
         best.user_attrs.get("tokens_per_s") or 0.0,
         100 * (best.user_attrs.get("label_coverage") or 0),
         best.params,
+        why,
         preset,
         preset.stem,
         f"; Pareto front of {front} trials in {results_path}" if len(names) > 1 else "",
@@ -135,8 +143,9 @@ def summarise(study: Any, view: SweepView, parent: Any) -> dict[str, Any] | None
         _link_latest(results_path)
         return None
     front = pareto_front(feasible, dirs)
-    pick = max if dirs[0] == "maximize" else min
-    best = pick(front, key=lambda t: t.values[0])  # pareto mode: the front's best in the first objective
+    # one objective: the fastest, or a tie keeping more of the data; pareto mode: the front's best in the first
+    chosen = ties.pick(feasible if len(names) == 1 else front, names, view.tie_band)
+    best = chosen.best
     preset = export_preset(study, best, view)
     summary = {
         "name": study.study_name,
@@ -146,6 +155,8 @@ def summarise(study: Any, view: SweepView, parent: Any) -> dict[str, Any] | None
         "best_trial": best.number,
         "best_value": best.values[0],
         "best_params": best.params,
+        "fastest_trial": chosen.fastest.number,  # the best value measured; sweep.ties says why another may be picked
+        "tie_band": chosen.band,
         "worst_case_peak_gib": best.user_attrs.get("worst_case_peak_gib"),
         "headroom_gib": _headroom_gib(best),
         "tokens_per_s": best.user_attrs.get("tokens_per_s"),
@@ -167,7 +178,7 @@ def summarise(study: Any, view: SweepView, parent: Any) -> dict[str, Any] | None
         )
         parent.set_tags({"memfit.best_trial": str(best.number), "memfit.preset": str(preset)})
         parent.log_artifact(str(results_path))
-    _log_best(best, names, preset, results_path, len(front))
+    _log_best(best, names, preset, results_path, len(front), chosen.describe())
     if warning := near_limit_warning(best, feasible, dirs):
         log.warning(warning)
     return summary

@@ -33,6 +33,11 @@ def check_settings(s: DictConfig) -> list[str]:
     _positive("heartbeat_s", s.heartbeat_s, "give seconds, or null for no heartbeat", optional=True)
     _positive("poll_s", s.poll_s, "give seconds, e.g. 5")
     _positive("segment_micro_batches", s.segment_micro_batches, "give a micro-batch count, e.g. 40, or null", True)
+    if s.tie_band is not None and not 0 <= s.tie_band < 1:
+        raise SweepConfigError(
+            f"hydra.sweeper.tie_band={s.tie_band} must be in [0, 1): a share of the fastest trial's value, e.g. 0.1;"
+            " 0 picks the fastest, null ties within its measured spread"
+        )
     for budget in s.budgets or []:
         _positive("budgets", budget, "give each budget of the ladder in GiB, e.g. [16, 24, 40]")
     if s.sampler not in SAMPLERS:

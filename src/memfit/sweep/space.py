@@ -181,7 +181,7 @@ def segment_steps(
     if not micro_batches or MAX_STEPS in params or budget_shaped(params, trainer.batching) or trainer.max_steps <= 0:
         return {}
     per_step = int(params.get(ACCUMULATION, held.get(ACCUMULATION, trainer.gradient_accumulation_steps)))
-    return {MAX_STEPS: max(MIN_SEGMENT_STEPS, min(trainer.max_steps, math.ceil(micro_batches / per_step)))}
+    return {MAX_STEPS: min(trainer.max_steps, max(MIN_SEGMENT_STEPS, math.ceil(micro_batches / per_step)))}
 
 
 def configurations(

@@ -212,14 +212,7 @@ class BudgetSweep:
                     self._run_on_devices(study, teller, space, fixed, parent, show)
                 else:
                     self.run_trials(study, teller, space, fixed, parent, show, self.trials)
-            view = SweepView(
-                self.config,
-                tuple(self.objectives),
-                self.budget_gib,
-                tuple(self.searched.fixed),
-                self.settings.effective_batch,
-                self.settings.preset_dir,
-            )
+            view = SweepView.of(self.config, self.objectives, self.budget_gib, self.searched.fixed, self.settings)
             best = summarise(study, view, parent)
             if best is None:
                 floor, limit, space = self.settings.coverage_floor, self._limit_gib(), self.searched.space
