@@ -1,6 +1,9 @@
-"""The README's two heaviest examples, run by CI as a user runs them (the test suite checks the same behaviour on tiny
-models, in a fraction of the CPU time):
+"""The README's `python train.py` examples, each in a new interpreter as a user runs it (the test suite runs the
+same commands forked from its fork server, to save each one's imports, and checks their behaviour in detail):
 
+- the first budget search on CPU, then training from the preset it exported;
+- the tiny causal LM (no warning at import: peft's read of a deprecated transformers alias is silenced);
+- `preflight_only` and `estimate_only` ("how large a batch can I afford?");
 - `python train.py -m memory=off,balanced,tight ...` (the default job three times), then `mlflow ui` serving its runs;
 - `python train.py model=qwen2_5_0_5b ...` (LoRA on a 0.5B model with random weights) on a prompt/response JSONL.
 
@@ -29,12 +32,39 @@ from tests.conftest import (  # noqa: E402
 )
 
 
-def train(prefix: str, out: Path, cwd: Path = ROOT) -> list:
-    """The README command starting with `prefix`, its outputs in `out`; its finished MLflow runs."""
-    done = run_train_py(*readme_command(prefix)[2:], f"output_dir={out}", cwd=cwd)
+def run(prefix: str, out: Path, *extra: str, cwd: Path = ROOT) -> str:
+    """The README command starting with `prefix` in a new interpreter, its outputs in `out`; what it printed."""
+    done = run_train_py(*readme_command(prefix)[2:], *extra, f"output_dir={out}", cwd=cwd, fresh=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "anterior to 4.12.0" not in done.stderr  # EncoderDecoderModel's warning about old checkpoints: not ours
+    assert "FutureWarning" not in done.stderr, done.stderr[-3000:]
+    return done.stdout + done.stderr
+
+
+def train(prefix: str, out: Path, cwd: Path = ROOT) -> list:
+    """The README command starting with `prefix`, its outputs in `out`; its finished MLflow runs."""
+    run(prefix, out, cwd=cwd)
     return finished_runs(out)
+
+
+def budget_search_then_train_from_its_preset(work: Path) -> None:
+    presets = f"hydra.sweeper.preset_dir={work}/presets/preset"
+    said = run("python train.py -m sweep=budget", work, presets)
+    assert "best feasible trial" in said, said[-3000:]
+    used = work / "use"
+    run("python train.py model=tiny_seq2seq +preset=", used, f"hydra.searchpath=[file://{work}/presets]")
+    (trained,) = finished_runs(used)
+    print(f"README budget search, then its preset: batch {trained.data.params['trainer.batch_size']} trained")
+
+
+def the_small_examples(work: Path) -> None:
+    (causal,) = train("python train.py model=tiny_causal", work / "causal")
+    assert causal.data.params["memory.loss"] == "chunked"
+    said = run("python train.py model=tiny_seq2seq preflight_only=true", work / "preflight")
+    assert "largest batch that fits the worst case" in said, said[-3000:]
+    said = run("python train.py model=tiny_seq2seq estimate_only=true", work / "estimate")
+    assert "estimate (memory model" in said, said[-3000:]
+    print("README tiny causal, preflight_only and estimate_only examples: run")
 
 
 def compare_policies_then_open_the_ui(work: Path) -> None:
@@ -63,6 +93,9 @@ def qwen_lora_on_own_jsonl(work: Path) -> None:
 
 
 if __name__ == "__main__":
-    with tempfile.TemporaryDirectory() as policies, tempfile.TemporaryDirectory() as qwen:
-        compare_policies_then_open_the_ui(Path(policies))
-        qwen_lora_on_own_jsonl(Path(qwen))
+    with tempfile.TemporaryDirectory() as work:
+        budget_search_then_train_from_its_preset(Path(work) / "sweep")
+        the_small_examples(Path(work) / "small")
+        compare_policies_then_open_the_ui(Path(work) / "policies")
+        (Path(work) / "qwen").mkdir()
+        qwen_lora_on_own_jsonl(Path(work) / "qwen")
