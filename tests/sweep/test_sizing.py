@@ -76,3 +76,35 @@ def test_a_study_another_worker_sized_first_keeps_its_choices(compose_cfg):
     other.sized(Sizing(16, 48, {}))
     assert not adopt_recorded(other, recorded, measured, "shared")
     assert other.space["trainer.batch_size"].choices == (1, 2, 4, 8, 16, 32) and other.sized_here
+
+
+def test_searched_knobs_that_change_a_step_are_sized_one_job_per_combination(compose_cfg, caplog):
+    """A knob that saves memory may afford a larger batch than the config's own setting: each combination of the
+    searched step knobs' choices gets a sizing job (MAX_JOBS at most), and knobs a step does not depend on none."""
+    from memfit.sweep.sizing import MAX_JOBS, sizing_jobs
+
+    cfg = compose_cfg("model=tiny_seq2seq")
+    recipe = {"trainer.batch_size": "fits", "memory.max_label_length": "choice(64,32)"}
+    searched = search_space(
+        ["memory.gradient_checkpointing=choice(true,false)", "memory.optimizer=choice(adamw,adafactor)"], recipe, cfg
+    )
+    jobs = sizing_jobs(searched.space, searched.fixed, 24, 32)
+    assert len(jobs) == 4 == MAX_JOBS
+    assert [job.at for job in jobs][:2] == [
+        {"memory.max_label_length": "32", "memory.gradient_checkpointing": "true", "memory.optimizer": "adamw"},
+        {"memory.max_label_length": "32", "memory.gradient_checkpointing": "true", "memory.optimizer": "adafactor"},
+    ]
+    assert all("memory.gradient_checkpointing=false" in job.overrides for job in jobs[2:])
+    not_a_step_knob = search_space(["memory.group_by_length=choice(true,false)"], recipe, cfg)
+    assert len(sizing_jobs(not_a_step_knob.space, not_a_step_knob.fixed, 24, 32)) == 1
+    too_many = search_space(
+        [
+            "memory.gradient_checkpointing=choice(true,false)",
+            "memory.optimizer=choice(adamw,adafactor)",
+            "memory.precision=choice(fp32,bf16)",
+        ],
+        recipe,
+        cfg,
+    )
+    (only,) = sizing_jobs(too_many.space, too_many.fixed, 24, 32)
+    assert only.at == {"memory.max_label_length": "32"} and "8 combinations of" in caplog.text

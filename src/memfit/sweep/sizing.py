@@ -9,14 +9,19 @@ trial decides the boundary; the model may under-predict), never past the job's c
 the number of training samples: a larger batch repeats samples). The job steps as a batch-1 trial does (its
 accumulation held), so the calibration it caches is the one the first trial looks up, not fitted again.
 
+A searched memory knob that changes what a step holds (its Knob.step: checkpointing, precision, the optimizer...)
+is varied too: one job per combination of their choices (MAX_JOBS at most; beyond, one job at the config's own
+values, said in the log), and the choices reach the largest batch any combination affords: a knob that saves
+memory may afford more than the config's own setting. Each job's calibration is cached for the trials of its policy.
+
 A study records its choices. A rerun, or a worker joining a shared study, searches those rather than sizing again:
-a calibration on another device may predict a little differently, and a study's choices cannot change. Searched
-knobs other than the lengths are not varied: a knob that saves memory (checkpointing, say) may afford more than
-the choices reach. The command line's `trainer.batch_size=choice(...)` wins, as for every key.
+a calibration on another device may predict a little differently, and a study's choices cannot change. The command
+line's `trainer.batch_size=choice(...)` wins, as for every key.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 from collections.abc import Callable
@@ -30,16 +35,17 @@ log = logging.getLogger("memfit.sweep")
 
 FITS = "fits"  # trainer.batch_size's params value: choices sized by the memory model
 LENGTHS = ("memory.max_source_length", "memory.max_label_length")
+MAX_JOBS = 4  # sizing jobs at most: one per combination of the searched knobs that change what a step holds
 
 
 @dataclass(frozen=True)
 class Sizing:
-    """What the sizing job found: the largest batch predicted to fit (0: not even batch 1) at these lengths, and
-    the cap its search stopped at."""
+    """What the sizing jobs found: the largest batch predicted to fit (0: not even batch 1) at these lengths (and
+    searched knobs' values), and the cap its search stopped at."""
 
     largest: int
     cap: int | None
-    lengths: dict[str, int]
+    at: dict[str, Any]
 
     def choices(self) -> list[int]:
         """Powers of two up to the largest predicted batch, then one choice past it: the next power of two, or the cap
@@ -54,7 +60,7 @@ class Sizing:
         return choices
 
     def describe(self) -> str:
-        at = ", ".join(f"{key}={value}" for key, value in self.lengths.items()) or "the configured lengths"
+        at = ", ".join(f"{key}={value}" for key, value in self.at.items()) or "the configured lengths"
         largest = f"{self.largest}" if self.largest else "none (not even batch 1)"
         capped = f", the cap {self.cap}" if self.cap and self.largest >= self.cap else ""
         return f"sized by the memory model: largest batch predicted to fit at {at}: {largest}{capped}"
@@ -78,10 +84,67 @@ def sizing_overrides(
     return overrides
 
 
-def size_batches(runner: Any, overrides: list[str], job: int) -> Sizing:
-    """Run the sizing job on `runner` (the sweep's trials) as job number `job`; its finding, or a SweepConfigError
-    saying why there is none."""
-    (result,) = runner.launch([overrides], job)
+def step_knob_choices(space: dict[str, Any]) -> dict[str, list[Any]]:
+    """The searched memory knobs that change what a step holds for a given shape (Knob.step), with their choices."""
+    from memfit.config.schema import memory_knobs
+
+    step = {f"memory.{name}" for name, knob in memory_knobs().items() if knob.step}
+    return {key: list(dist.choices) for key, dist in space.items() if key in step and hasattr(dist, "choices")}
+
+
+@dataclass(frozen=True)
+class SizingJob:
+    overrides: list[str]
+    at: dict[str, str]  # the lengths and the searched knobs' values it sizes at
+
+
+def sizing_jobs(
+    space: dict[str, Any], fixed: list[str], budget_gib: float | None, effective_batch: int | None
+) -> list[SizingJob]:
+    """The sizing jobs: sizing_overrides, once per combination of the searched step knobs' choices."""
+    base = sizing_overrides(space, fixed, budget_gib, effective_batch)
+    lengths = {key: value for key, value in (o.split("=", 1) for o in base) if key in LENGTHS}
+    varied = step_knob_choices(space)
+    combinations = list(itertools.product(*varied.values()))
+    if len(combinations) > MAX_JOBS:
+        log.warning(
+            "%s: %d combinations of %s: sized at the config's own values only (give trainer.batch_size=choice(...) "
+            "to search larger batches)",
+            BATCH,
+            len(combinations),
+            ", ".join(varied),
+        )
+        return [SizingJob(base, lengths)]
+    jobs = []
+    for values in combinations:
+        knobs = {key: _override_value(value) for key, value in zip(varied, values, strict=True)}
+        jobs.append(SizingJob([*base, *(f"{key}={value}" for key, value in knobs.items())], {**lengths, **knobs}))
+    return jobs
+
+
+def _override_value(value: Any) -> str:
+    """A choice as a Hydra override writes it (true, null, 0.5, bf16)."""
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def size_batches(runner: Any, jobs: list[SizingJob], first_job: int) -> Sizing:
+    """Run the sizing jobs on `runner` (the sweep's trials) one after another, numbered from `first_job`; the
+    largest batch any of them predicts (a combination whose job fails is left to its trials to report), or a
+    SweepConfigError saying why there is none where every job failed."""
+    found, failed = [], []
+    for offset, job in enumerate(jobs):
+        try:
+            found.append(_size(runner, job, first_job + offset))
+        except SweepConfigError as err:
+            failed.append(err)
+            log.warning("%s: sizing at %s failed: %s", BATCH, job.at, err)
+    if not found:
+        raise failed[0]
+    return max(found, key=lambda sizing: sizing.largest)
+
+
+def _size(runner: Any, job: SizingJob, number: int) -> Sizing:
+    (result,) = runner.launch([job.overrides], number)
     report = result.report or {}
     if report.get("status") != "ok":
         why = report.get("reason") or result.error or "no report"
@@ -89,8 +152,7 @@ def size_batches(runner: Any, overrides: list[str], job: int) -> Sizing:
             f"trainer.batch_size={FITS}: the memory model's sizing run failed ({why.splitlines()[0]}): give "
             "trainer.batch_size=choice(...)"
         )
-    lengths = {key: int(o.split("=", 1)[1]) for o in overrides for key in LENGTHS if o.startswith(f"{key}=")}
-    sizing = Sizing(int(report.get("max_batch") or 0), report.get("max_batch_cap"), lengths)
+    sizing = Sizing(int(report.get("max_batch") or 0), report.get("max_batch_cap"), job.at)
     calibration = Path(report.get("calibration") or "none").stem  # the one trials that step alike reuse
     log.info("%s: %s (%.0f s; memory model calibration %s)", BATCH, sizing.describe(), result.seconds, calibration)
     return sizing

@@ -374,10 +374,10 @@ class BudgetSweep:
         recorded = naming.recorded(storage.peek(storage.storage_url(self.settings, self.config)), name)
         if sizing.adopt_recorded(self.searched, recorded, self._measured, name):
             return
-        job, self.job_idx = self.job_idx, self.job_idx + 1  # before any trial: no other thread numbers jobs yet
         top, held = max(budgets) if budgets else None, self.settings.effective_batch
-        overrides = sizing.sizing_overrides(self.searched.space, self.searched.fixed, top, held)
-        self.searched.sized(sizing.size_batches(self.trials, overrides, job))
+        jobs = sizing.sizing_jobs(self.searched.space, self.searched.fixed, top, held)
+        first, self.job_idx = self.job_idx, self.job_idx + len(jobs)  # before any trial: no other thread numbers jobs
+        self.searched.sized(sizing.size_batches(self.trials, jobs, first))
 
     def _sweep_budgets(self, space: dict[str, Any], fixed: list[str]) -> list[Any]:
         budgets = sorted(float(b) for b in self.settings.budgets or [])
