@@ -8,9 +8,9 @@ import optuna
 import pytest
 from omegaconf import OmegaConf
 
-from memfit.sweep import parse_search
+from memfit.sweep import naming, parse_search
 from memfit.sweep.derive import SearchSpace
-from memfit.sweep.naming import MEASURES_ATTR, chooser, differences, record, what_it_measures
+from memfit.sweep.naming import MEASURES_ATTR, differences, record, what_it_measures
 from memfit.sweep.space import SweepConfigError, suggest
 from memfit.sweep.storage import open_study
 
@@ -29,7 +29,10 @@ def measures(
 
 def open_and_measure(url: str, measured: dict, space: dict, named_by_user: bool = False) -> optuna.Study:
     """Open the study as the sweeper does, and run one trial of the space in it."""
-    choose = chooser("memfit-sweep", measured, named_by_user)
+
+    def choose(storage) -> str:  # as BudgetSweep._open names its study
+        return naming.choose("memfit-sweep", naming.recorded(storage, "memfit-sweep"), measured, named_by_user)
+
     study, _ = open_study("memfit-sweep", url, SETTINGS, ["maximize"], lambda *_: None, choose_name=choose)
     record(study, measured)
     trial = study.ask()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Callable
 from typing import Any
 
 from memfit.sweep.space import SweepConfigError
@@ -97,11 +96,6 @@ def choose(name: str, existing: dict[str, Any] | None, measured: dict[str, Any],
     own = f"{name}-{digest(measured)}"
     log.warning("study %s measured another search (%s): this sweep is study %s (%s is kept)", name, changed, own, name)
     return own
-
-
-def chooser(name: str, measured: dict[str, Any], named_by_user: bool) -> Callable[[Any], str]:
-    """`choose` over an open storage, for storage.open_study."""
-    return lambda storage: choose(name, recorded(storage, name), measured, named_by_user)
 
 
 def record(study: Any, measured: dict[str, Any]) -> None:

@@ -86,9 +86,9 @@ def sizing_overrides(
 
 def step_knob_choices(space: dict[str, Any]) -> dict[str, list[Any]]:
     """The searched memory knobs that change what a step holds for a given shape (Knob.step), with their choices."""
-    from memfit.config.schema import memory_knobs
+    from memfit.memory.calibration import POLICY_KNOBS
 
-    step = {f"memory.{name}" for name, knob in memory_knobs().items() if knob.step}
+    step = {f"memory.{name}" for name in POLICY_KNOBS}
     return {key: list(dist.choices) for key, dist in space.items() if key in step and hasattr(dist, "choices")}
 
 

@@ -374,7 +374,7 @@ class BudgetSweep:
         recorded = naming.recorded(storage.peek(storage.storage_url(self.settings, self.config)), name)
         if sizing.adopt_recorded(self.searched, recorded, self._measured, name):
             return
-        top, held = max(budgets) if budgets else None, self.settings.effective_batch
+        top, held = self.budget_gib if budgets else None, self.settings.effective_batch
         jobs = sizing.sizing_jobs(self.searched.space, self.searched.fixed, top, held)
         first, self.job_idx = self.job_idx, self.job_idx + len(jobs)  # before any trial: no other thread numbers jobs
         self.searched.sized(sizing.size_batches(self.trials, jobs, first))
