@@ -30,32 +30,40 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# the qwen cases before memory.recompute_lora_dropout (session 26) kept LoRA's dropped copies, as `balanced` did then
+KEPT = "memory.recompute_lora_dropout=false"
 # name: (model, (batch, source, label), overrides, optimizer) — optimizer "run" is the run's own (Trainer's), "foreach"
 # a foreach torch.optim.AdamW, as Trainer's adamw_torch builds it
 CASES = {
     "pegasus_ckpt_fused_adamw": ("pegasus_large", (8, 1024, 64), ["memory.gradient_checkpointing=true"], "run"),
     "pegasus_ckpt_foreach_adamw": ("pegasus_large", (8, 1024, 64), ["memory.gradient_checkpointing=true"], "foreach"),
-    "qwen_lora_frozen_fp32": ("qwen2_5_1_5b", (1, 2048, 2048), ["memory.frozen_dtype=fp32"], "run"),
-    "qwen_lora_frozen_bf16": ("qwen2_5_1_5b", (1, 2048, 2048), ["memory.frozen_dtype=auto"], "run"),
-    "qwen_lora_4x2048_standard": ("qwen2_5_1_5b", (4, 2048, 2048), ["memory.loss=standard"], "run"),
-    "qwen_lora_4x2048_chunked": ("qwen2_5_1_5b", (4, 2048, 2048), ["memory.loss=chunked"], "run"),
-    "qwen_lora_4x2048_fused": ("qwen2_5_1_5b", (4, 2048, 2048), ["memory.loss=fused"], "run"),
+    "qwen_lora_frozen_fp32": ("qwen2_5_1_5b", (1, 2048, 2048), ["memory.frozen_dtype=fp32", KEPT], "run"),
+    "qwen_lora_frozen_bf16": ("qwen2_5_1_5b", (1, 2048, 2048), ["memory.frozen_dtype=auto", KEPT], "run"),
+    "qwen_lora_4x2048_standard": ("qwen2_5_1_5b", (4, 2048, 2048), ["memory.loss=standard", KEPT], "run"),
+    "qwen_lora_4x2048_chunked": ("qwen2_5_1_5b", (4, 2048, 2048), ["memory.loss=chunked", KEPT], "run"),
+    "qwen_lora_4x2048_fused": ("qwen2_5_1_5b", (4, 2048, 2048), ["memory.loss=fused", KEPT], "run"),
     "qwen_lora_4x2048_fused_dropout0": (
         "qwen2_5_1_5b",
         (4, 2048, 2048),
-        ["memory.loss=fused", "model.lora.dropout=0.0"],
+        ["memory.loss=fused", "model.lora.dropout=0.0", KEPT],
         "run",
     ),
     "qwen_lora_4x2048_fused_liger_layers": (
         "qwen2_5_1_5b",
         (4, 2048, 2048),
-        ["memory.loss=fused", "memory.layer_kernels=liger"],
+        ["memory.loss=fused", "memory.layer_kernels=liger", KEPT],
+        "run",
+    ),
+    "qwen_lora_4x2048_fused_liger_layers_recomputed_dropout": (
+        "qwen2_5_1_5b",
+        (4, 2048, 2048),
+        ["memory.loss=fused", "memory.layer_kernels=liger", "memory.recompute_lora_dropout=true"],
         "run",
     ),
     "qwen_lora_4x2048_standard_liger_layers": (
         "qwen2_5_1_5b",
         (4, 2048, 2048),
-        ["memory.loss=standard", "memory.layer_kernels=liger"],
+        ["memory.loss=standard", "memory.layer_kernels=liger", KEPT],
         "run",
     ),
     "pegasus_4x1024x1024_standard": ("pegasus_large", (4, 1024, 1024), ["memory.loss=standard"], "run"),

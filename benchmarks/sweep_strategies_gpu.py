@@ -546,6 +546,7 @@ def sweep_command(args: argparse.Namespace, data: Path, outputs: Path, sweep_dir
         f"hydra.sweeper.n_trials={args.n_trials}",
         f"hydra.sweeper.seed={args.seed}",
         *([] if getattr(args, "recipe", False) else searched),
+        *getattr(args, "override", []),
         f"output_dir={outputs}",
         f"hydra.sweep.dir={sweep_dir}",
         f"hydra.sweeper.preset_dir={presets}",
@@ -634,6 +635,7 @@ def live(args: argparse.Namespace) -> None:
         "devices": args.devices,
         "fork_trials": args.fork_trials,
         "segment_micro_batches": args.segment_micro_batches,
+        "overrides": args.override,
         "exit_code": done.returncode,
         "wall_s": wall,
         "results": results,
@@ -704,6 +706,7 @@ def main() -> None:
     v.add_argument("--segment-micro-batches", type=int, default=None, help="hydra.sweeper.segment_micro_batches")
     v.add_argument("--no-fork", dest="fork_trials", action="store_false", help="hydra.sweeper.fork_trials=false")
     v.add_argument("--sweep-only", action="store_true", help="no full pass of the pick after the sweep")
+    v.add_argument("--override", action="append", default=[], help="one more override of the sweep's (repeatable)")
     v.add_argument("--out", required=True)
     v.add_argument("--work", default="/tmp/memfit-strategies")
     v.add_argument("--tokenizer", default=None)

@@ -181,7 +181,13 @@ def _apply_lora(model: Any, model_cfg: DictConfig, memory: DictConfig) -> Any:
         task_type=TaskType.SEQ_2_SEQ_LM if model_cfg.task == "seq2seq" else TaskType.CAUSAL_LM,
     )
     with _quiet_checkpointing_alias():
-        return get_peft_model(model, peft_cfg)
+        model = get_peft_model(model, peft_cfg)
+    if memory.recompute_lora_dropout and lora.dropout > 0:
+        from memfit.lora_dropout import recompute_lora_dropout
+
+        recompute_lora_dropout(model)
+        log.info("memory.recompute_lora_dropout=true: LoRA's dropped inputs are recomputed in the backward pass")
+    return model
 
 
 def _enable_checkpointing(model: Any) -> None:

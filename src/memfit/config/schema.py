@@ -149,6 +149,8 @@ class MemoryConfig:
         package="liger_kernel",
         without_package="use memory.layer_kernels=standard",
     )
+    # LoRA's dropout replayed in the backward pass instead of kept (memfit.models.recompute_lora_dropout)
+    recompute_lora_dropout: bool = knob(False, step=True, applied_by="model")
     load_in_4bit: bool = knob(
         False,
         step=True,
