@@ -642,7 +642,7 @@ def live(args: argparse.Namespace) -> None:
         "trials": trials,
         "stderr_tail": done.stderr[-1500:],
     }
-    if args.recipe and results.get("best_params"):
+    if args.recipe and results.get("best_params") and not args.sweep_only:
         out["preset_pass"] = preset_pass(args, path, max(presets.glob("*.yaml"), key=lambda p: p.stat().st_mtime))
     Path(args.out).write_text(json.dumps(out, indent=1, default=str))
     print(json.dumps({k: out[k] for k in ("exit_code", "wall_s")}), results.get("best_params"), flush=True)
@@ -705,7 +705,9 @@ def main() -> None:
     )
     v.add_argument("--segment-micro-batches", type=int, default=None, help="hydra.sweeper.segment_micro_batches")
     v.add_argument("--no-fork", dest="fork_trials", action="store_false", help="hydra.sweeper.fork_trials=false")
-    v.add_argument("--sweep-only", action="store_true", help="no full pass of the pick after the sweep")
+    v.add_argument(
+        "--sweep-only", action="store_true", help="no full pass (--recipe: no preset epoch) of the pick after the sweep"
+    )
     v.add_argument("--override", action="append", default=[], help="one more override of the sweep's (repeatable)")
     v.add_argument("--out", required=True)
     v.add_argument("--work", default="/tmp/memfit-strategies")

@@ -53,11 +53,12 @@ def test_fits_is_sized_only_where_a_trial_trains_fixed_batches_and_the_command_l
 
 def test_a_study_another_worker_sized_first_keeps_its_choices(compose_cfg):
     """Workers sharing a study each size their batches (each calibrating on its own device): whichever opens the study
-    second searches the choices it recorded; a sweep that measures something else keeps its own."""
+    second searches the choices it recorded, and one that recorded at the same instant adopts what the study kept; a
+    sweep that measures something else keeps its own."""
     import json
 
     from memfit.sweep.naming import what_it_measures
-    from memfit.sweep.sizing import adopt_recorded
+    from memfit.sweep.sizing import adopt_recorded, settle
 
     cfg = compose_cfg("model=tiny_seq2seq")
     recipe = {"trainer.batch_size": "fits", "memory.max_label_length": "choice(32,64)"}
@@ -72,6 +73,13 @@ def test_a_study_another_worker_sized_first_keeps_its_choices(compose_cfg):
     assert adopt_recorded(second, recorded, measured, "shared") and not second.sized_here
     assert second.space["trainer.batch_size"].choices == (1, 2, 4, 8, 16)
     assert "trainer.batch_size: [1, 2, 4, 8, 16] (as study shared recorded them)" in second.describe()
+    # workers that created the study together: each reads back what the study kept after recording its own
+    racing = search_space([], recipe, cfg)
+    racing.sized(Sizing(16, 48, {}))
+    settle(racing, json.loads(json.dumps(measured(racing))), measured, "shared")  # its own write stood: kept
+    assert racing.sized_here and racing.space["trainer.batch_size"].choices == (1, 2, 4, 8, 16, 32)
+    settle(racing, recorded, measured, "shared")  # the other worker's write stood: adopted before any trial
+    assert not racing.sized_here and racing.space["trainer.batch_size"].choices == (1, 2, 4, 8, 16)
     other = search_space(["memory.max_label_length=choice(32,128)"], recipe, cfg)
     other.sized(Sizing(16, 48, {}))
     assert not adopt_recorded(other, recorded, measured, "shared")

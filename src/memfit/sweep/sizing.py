@@ -181,3 +181,17 @@ def adopt_recorded(
     searched.to_size = searched.sized_here = False
     log.info("%s: the choices study %s recorded", BATCH, name)
     return True
+
+
+def settle(
+    searched: Any, recorded: dict[str, Any] | None, measured: Callable[[Any], dict[str, Any]], name: str
+) -> None:
+    """Read back after this sweep recorded what study `name` measures (`recorded`): workers that create a shared
+    study at the same instant each size and record their own choices, and the study keeps the last written. A worker
+    whose own choices differ from it adopts the study's before its first trial, so that every trial of the study
+    searches one space. Optuna's storages have no compare-and-set on a study's attrs: two workers that each read back
+    before the other writes still differ; that window is the milliseconds between the two writes."""
+    if not searched.sized_here or recorded is None or recorded == measured(searched):
+        return
+    if adopt_recorded(searched, recorded, measured, name):
+        log.warning("%s: another worker sized study %s at the same time; its choices are searched", BATCH, name)

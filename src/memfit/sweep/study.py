@@ -140,6 +140,7 @@ class BudgetSweep:
             name, url, s, directions(self.objectives), self._stale_trial, choose_name=choose
         )
         naming.record(study, self._measured(self.searched))
+        sizing.settle(self.searched, study.user_attrs.get(naming.MEASURES_ATTR), self._measured, study.study_name)
         log.info("study %s in %s: %d trials so far", study.study_name, mask_credentials(url), len(study.trials))
         return study, store
 
