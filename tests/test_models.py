@@ -11,6 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 from memfit import lora_dropout, models
+from memfit.memory.model import dropped_copies
 from memfit.memory.state import weight_bytes
 from memfit.models import build_model, build_tokenizer
 
@@ -158,6 +159,10 @@ def test_recomputed_lora_dropout_gives_the_same_gradients_and_keeps_less(
         if hasattr(module, "lora_A") and name.endswith(SHARED_INPUT)
     )
     assert kept - kept_recomputed >= copies > 0
+    # the preflight's and estimate_only's estimate of the saving promises no more than it saves
+    estimated = dropped_copies(model).bytes(4, 128, 128, "causal", precision)
+    assert 0 < estimated <= kept - kept_recomputed
+    assert dropped_copies(recomputing).bytes(4, 128, 128, "causal", precision) == 0
     # saved adapters keep their names; eval() still reaches the dropout, which then does nothing
     assert recomputing.state_dict().keys() == model.state_dict().keys()
     recomputing.eval()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -395,3 +396,30 @@ def test_a_frozen_encoder_leaves_t5_under_checkpointing_uncalibrated(compose_cfg
     checkpointed = compose_cfg(*TINY_T5, "memory.gradient_checkpointing=true", f"calibration.cache_dir={tmp_path}")
     assert calibrate(checkpointed, setup, arch, model_state_bytes(setup.model, "adamw")) is None
     assert "no gradient reached the encoder's output" in caplog.text and not list(tmp_path.glob("*.json"))
+
+
+def test_estimate_only_says_what_recomputing_lora_dropout_would_save(compose_cfg, tmp_path, capsys, long_tail_jsonl):
+    """tiny_causal with dropout on its q and v adapters (one input, hidden 32) at the long tail's worst batch: one
+    dropped copy beyond the shared input, 4 bytes an element in fp32."""
+    from memfit.run import run
+
+    lora = [
+        "model=tiny_causal",
+        *FAST,
+        "tracking=none",
+        "data=jsonl",
+        f"data.path={long_tail_jsonl}",
+        "memory.precision=fp32",
+        "model.lora.dropout=0.1",
+        "estimate_only=true",
+        "calibration.enabled=false",
+        f"output_dir={tmp_path}",
+    ]
+    run(compose_cfg(*lora, "memory.recompute_lora_dropout=false"))
+    out = capsys.readouterr().out
+    worst = next(line for line in out.splitlines() if line.startswith("  worst "))
+    rows, tokens = (int(n) for n in re.search(r"batch (\d+) × (\d+)", worst).groups())
+    saving = rows * tokens * 32 * 2 * 4  # two layers
+    assert f"memory.recompute_lora_dropout=true would hold ~{saving / 2**20:.1f} MiB less at this batch" in out
+    run(compose_cfg(*lora, "memory.recompute_lora_dropout=true"))
+    assert "memory.recompute_lora_dropout=true would hold" not in capsys.readouterr().out  # already recomputed

@@ -343,3 +343,40 @@ def test_preflight_only_searches_even_when_the_configured_batch_does_not_fit_and
         r"labels \d+ needs ~\d+\.\d\d GiB\)",
         line,
     ), line
+
+
+def test_recomputing_lora_dropout_is_a_way_out_ranked_by_its_saving_where_it_is_off():
+    import numpy as np
+
+    from memfit.config import GIB
+    from memfit.data.audit import BatchShape
+    from memfit.memory.meter import MemoryPeak
+    from memfit.memory.preflight import Probe, suggest
+
+    worst = BatchShape(4, 2048, 2048)
+    measured = Probe(worst, "train", MemoryPeak(30 * GIB, 30 * GIB), static_bytes=3 * GIB)
+
+    def ways(recompute: bool) -> list[str]:
+        memory = SimpleNamespace(
+            gradient_checkpointing=True, optimizer="adamw", recompute_lora_dropout=recompute, loss="fused"
+        )
+        return suggest(
+            [measured],
+            24 * GIB,
+            batch=4,
+            accumulation=1,
+            task="causal",
+            label_raw=np.arange(1, 2049),
+            max_label=2048,
+            memory=memory,
+            trainable_params=10**7,
+            lora_enabled=True,
+            min_coverage=0.99,
+            dropped=lambda shape: shape.batch * shape.source * 6144 * 28 * 2,  # qwen2_5_1_5b's copies in bf16
+        )
+
+    off = ways(False)
+    way = next(w for w in off if w.startswith("memory.recompute_lora_dropout=true"))
+    assert "(~2.62 GiB less:" in way
+    assert off.index(way) < off.index(next(w for w in off if w.startswith("memory.optimizer=")))  # 2.62 > 0.06 GiB
+    assert not [w for w in ways(True) if "recompute_lora_dropout" in w]

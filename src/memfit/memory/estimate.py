@@ -35,6 +35,8 @@ class Estimate:
     lengths: tuple[int, int] | None = None  # (source, label) the largest batch is judged at
     budget_label: str = "budget"  # what the budget is: budget.gib, or without it the device's memory
     loss_saving: int = 0  # what memory.loss=chunked would hold less at the worst batch (0: it is already chunked)
+    # what memory.recompute_lora_dropout=true would hold less at the worst batch (memory.model.dropped_copies)
+    dropout_saving: int = 0
 
     @property
     def fits(self) -> bool | None:
@@ -49,15 +51,23 @@ class Estimate:
             out["estimate/largest_batch"] = float(self.largest_batch or 0)
         if self.loss_saving:
             out["estimate/chunked_loss_saving_gib"] = self.loss_saving / GIB
+        if self.dropout_saving:
+            out["estimate/recompute_lora_dropout_saving_gib"] = self.dropout_saving / GIB
         return out
 
-    def _loss_line(self) -> list[str]:
-        if not self.loss_saving:
-            return []
-        return [
-            f"  memory.loss=chunked would hold ~{size(self.loss_saving)} less at this batch (no full float32 logits "
-            "and gradient; one more head product per chunk; on CUDA, memory.loss=fused saves as much)"
-        ]
+    def _saving_lines(self) -> list[str]:
+        lines = []
+        if self.loss_saving:
+            lines.append(
+                f"  memory.loss=chunked would hold ~{size(self.loss_saving)} less at this batch (no full float32 "
+                "logits and gradient; one more head product per chunk; on CUDA, memory.loss=fused saves as much)"
+            )
+        if self.dropout_saving:
+            lines.append(
+                f"  memory.recompute_lora_dropout=true would hold ~{size(self.dropout_saving)} less at this batch "
+                "(LoRA adapters keep their shared input and a mask, not a dropped copy each)"
+            )
+        return lines
 
     def _parts(self) -> dict[str, int]:
         if self.peak is not None:
@@ -79,7 +89,7 @@ class Estimate:
                     f"  model state: {parts}; total {size(self.state.total)}",
                     f"  worst {what}: its float32 logits alone hold {size(self.logits)}; activations not estimated",
                     f"  {limit}",
-                    *self._loss_line(),
+                    *self._saving_lines(),
                 ]
             )
         verdict = "fits" if self.fits else "does NOT fit"
@@ -92,7 +102,7 @@ class Estimate:
                 f"reserved {size(self.peak.reserved)}: {verdict} the {limit}",
                 f"  breakdown: {parts}",
                 f"  largest batch predicted to fit at {at}: {self._largest()}",
-                *self._loss_line(),
+                *self._saving_lines(),
             ]
         )
 

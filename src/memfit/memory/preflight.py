@@ -214,10 +214,19 @@ def _policy_ways(
     trainable_params: int,
     lora_enabled: bool,
     logits: int,
+    dropped: int = 0,
 ) -> list[tuple[float, str]]:
     """(expected saving, way out) of the policy's knobs that save memory whatever the batch: the loss, gradient
-    checkpointing, the optimizer, LoRA."""
+    checkpointing, LoRA's dropout, the optimizer, LoRA."""
     ranked: list[tuple[float, str]] = []
+    if dropped and not getattr(memory, "recompute_lora_dropout", True):
+        ranked.append(
+            (
+                float(dropped),
+                f"memory.recompute_lora_dropout=true (~{dropped / GIB:.2f} GiB less: LoRA adapters keep their shared "
+                "input and a mask, not a dropped copy each; one more elementwise product per adapter)",
+            )
+        )
     if getattr(memory, "loss", None) == "standard" and logits:
         from memfit.memory.loss import chunked_saving
 
@@ -264,12 +273,14 @@ def suggest(
     predict: Callable[[BatchShape], float] | None = None,
     min_coverage: float = 0.9,
     logits: Callable[[BatchShape], int] | None = None,
+    dropped: Callable[[BatchShape], int] | None = None,
 ) -> list[str]:
     """Concrete ways out, ranked by expected saving; none cuts a length to keep less than `min_coverage` of its
     tokens. With `predict` (the calibrated memory model: a shape's peak reserved bytes) smaller batches and lengths
     are judged by it; without, activation memory is taken as proportional to the batch's tokens, on top of the
     static part (weights + optimizer state) the probe measured. `logits`: one float32 copy of a shape's logits
-    (memory.model.logits_bytes), for the loss's way out."""
+    (memory.model.logits_bytes), for the loss's way out; `dropped`: the bytes of LoRA's dropped copies at a shape
+    (memory.model.dropped_copies), for memory.recompute_lora_dropout's."""
     worst = max(report_probes, key=lambda p: p.judged_bytes)
     peak, shape = worst.judged_bytes, worst.shape
     static = worst.static_bytes or 0
@@ -291,6 +302,7 @@ def suggest(
         if way is not None:
             ranked.append(way)
     held = logits(shape) if logits is not None else 0
-    ranked += _policy_ways(memory, task, shape, activations, trainable_params, lora_enabled, held)
+    copies = dropped(shape) if dropped is not None else 0
+    ranked += _policy_ways(memory, task, shape, activations, trainable_params, lora_enabled, held, copies)
     ranked.sort(key=lambda item: -item[0])
     return [text for _, text in ranked]

@@ -123,7 +123,7 @@ def _log_prediction(ctx: RunContext, calibration: Any, worst: Any) -> float | No
 def estimate(ctx: RunContext, setup: TrainingSetup) -> RunReport:
     """estimate_only=true: the memory model's prediction for this config, printed and recorded; no training."""
     from memfit.memory.estimate import estimate
-    from memfit.memory.model import describe_architecture
+    from memfit.memory.model import describe_architecture, dropped_copies
     from memfit.memory.state import model_state_bytes
 
     cfg, model = ctx.cfg, setup.built.model
@@ -143,6 +143,12 @@ def estimate(ctx: RunContext, setup: TrainingSetup) -> RunReport:
         cfg.memory.loss,
     )
     result.largest_cap = _cap_note(result.largest_batch, upper, samples)  # as preflight_only says it
+    if not cfg.memory.recompute_lora_dropout:
+        worst = result.shape
+        copies = dropped_copies(model)
+        result.dropout_saving = copies.bytes(
+            worst.batch, worst.source, worst.label, cfg.model.task, cfg.memory.precision
+        )
     result.budget_label = ctx.cap.judged_against
     ctx.tracker.log_metrics(result.metrics(), step=0)
     ctx.tracker.log_text(result.summary(), "estimate.txt")
@@ -229,11 +235,12 @@ def _cap_note(largest: int | None, upper: int, samples: int) -> str | None:
 
 
 def _ways_out(ctx: RunContext, setup: TrainingSetup, measured: list[Any], limit: int, calibration: Any) -> list[str]:
-    from memfit.memory.model import describe_architecture, logits_bytes
+    from memfit.memory.model import describe_architecture, dropped_copies, logits_bytes
     from memfit.memory.preflight import suggest
 
     arch = describe_architecture(setup.built.model, ctx.cfg.model.task)
     cfg, audit, prepared = ctx.cfg, ctx.prepared.audit, ctx.prepared
+    copies = dropped_copies(setup.built.model)
     return suggest(
         measured,
         limit,
@@ -250,6 +257,9 @@ def _ways_out(ctx: RunContext, setup: TrainingSetup, measured: list[Any], limit:
         predict=(lambda shape: calibration.estimate(shape).reserved) if calibration else None,
         min_coverage=cfg.preflight.min_coverage,
         logits=lambda shape: logits_bytes(shape.batch, shape.source, shape.label, arch),
+        dropped=lambda shape: copies.bytes(
+            shape.batch, shape.source, shape.label, cfg.model.task, cfg.memory.precision
+        ),
     )
 
 
