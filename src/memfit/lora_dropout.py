@@ -28,7 +28,6 @@ class _DroppedProjection(torch.autograd.Function):
         dropped, mask = torch.native_dropout(x if autocast else x.to(weight.dtype), p, True)
         ctx.save_for_backward(x, mask, weight)
         ctx.scale = 1.0 / (1.0 - p)
-        ctx.autocast = autocast
         return torch.nn.functional.linear(dropped, weight)  # under autocast as nn.Linear would run
 
     @staticmethod
