@@ -4,8 +4,11 @@ liger-kernel's fused one, forward + backward, timed with CUDA events and measure
     python benchmarks/loss_kernels_gpu.py --out $OUT/loss_kernels.json
 
 Heads: pegasus_large's (V 96,103, H 1024, a trained fp32 weight and final_logits_bias, 4 × 1024 label rows) and
-qwen2_5_1_5b's under LoRA (V 151,936, H 1536, a frozen bf16 weight, 4 × 2047 rows). The hidden states are bf16, as
-under autocast. `--profile` adds the top kernels of each loss (torch.profiler).
+qwen2_5_1_5b's under LoRA (V 151,936, H 1536, a frozen bf16 weight, 4 × 2047 rows). The hidden states come as a run
+hands them to the loss: float32 for pegasus_large (its final LayerNorm runs in float32 under autocast), bf16 for
+Qwen; the head's products run in bf16, as under autocast (the standard head inside it, memfit's losses told the
+dtype as `model_loss` tells them). `--chunk-rows` times the chunked loss at other chunk sizes besides the default;
+`--profile` adds the top kernels of each loss (torch.profiler).
 """
 
 from __future__ import annotations
@@ -17,8 +20,22 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADS = {
-    "pegasus_large": {"vocab": 96103, "width": 1024, "rows": 4 * 1024, "weight": "float32", "trained": True},
-    "qwen2_5_1_5b_lora": {"vocab": 151936, "width": 1536, "rows": 4 * 2047, "weight": "bfloat16", "trained": False},
+    "pegasus_large": {
+        "vocab": 96103,
+        "width": 1024,
+        "rows": 4 * 1024,
+        "weight": "float32",
+        "trained": True,
+        "hidden": "float32",
+    },
+    "qwen2_5_1_5b_lora": {
+        "vocab": 151936,
+        "width": 1536,
+        "rows": 4 * 2047,
+        "weight": "bfloat16",
+        "trained": False,
+        "hidden": "bfloat16",
+    },
 }
 GIB = 2**30
 
@@ -32,14 +49,16 @@ def head_tensors(spec: dict):
     ).mul_(0.02)
     weight.requires_grad_(spec["trained"])
     bias = torch.zeros(spec["vocab"], device="cuda", requires_grad=spec["trained"]) if spec["trained"] else None
-    hidden = torch.randn(spec["rows"], spec["width"], device="cuda", dtype=torch.bfloat16, generator=generator)
+    hidden = torch.randn(
+        spec["rows"], spec["width"], device="cuda", dtype=getattr(torch, spec["hidden"]), generator=generator
+    )
     hidden.requires_grad_(True)
     labels = torch.randint(0, spec["vocab"], (spec["rows"],), device="cuda", generator=generator)
     labels[-spec["rows"] // 8 :] = -100  # padding
     return hidden, weight, bias, labels
 
 
-def losses():
+def losses(chunk_rows: list[int]):
     import torch
     import torch.nn.functional as F
 
@@ -50,13 +69,22 @@ def losses():
             logits = F.linear(hidden, weight, bias)
         return F.cross_entropy(logits.float(), labels)
 
-    def chunked(hidden, weight, bias, labels):
-        return chunked_cross_entropy(hidden, weight, labels, bias, rows_per_chunk(weight.shape[0]))
+    def chunked(rows: int | None):
+        def loss(hidden, weight, bias, labels):
+            chunk = rows or rows_per_chunk(weight.shape[0])
+            return chunked_cross_entropy(hidden, weight, labels, bias, chunk, dtype=torch.bfloat16)
+
+        return loss
 
     def fused(hidden, weight, bias, labels):
-        return fused_cross_entropy(hidden, weight, labels, bias)
+        return fused_cross_entropy(hidden, weight, labels, bias, dtype=torch.bfloat16)
 
-    return {"standard": standard, "chunked": chunked, "fused": fused}
+    return {
+        "standard": standard,
+        "chunked": chunked(None),
+        **{f"chunked_{rows}_rows": chunked(rows) for rows in chunk_rows},
+        "fused": fused,
+    }
 
 
 def measure(loss, tensors, repeats: int) -> dict:
@@ -98,6 +126,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--chunk-rows", type=int, nargs="*", default=[], help="chunked loss at these chunk sizes too")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "src"))
@@ -106,7 +135,7 @@ def main() -> None:
     out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "rows": []}
     for head, spec in HEADS.items():
         tensors = head_tensors(spec)
-        for name, loss in losses().items():
+        for name, loss in losses(args.chunk_rows).items():
             row = {"head": head, "loss": name, **measure(loss, tensors, args.repeats)}
             if args.profile:
                 row["top_kernels_ms"] = top_kernels(loss, tensors)

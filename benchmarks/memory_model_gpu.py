@@ -220,6 +220,7 @@ def measure_model(name: str, checkpointing: bool, args, out: dict, save) -> None
         f"output_dir={args.work}/outputs",
         f"trainer.device={args.device}",
         *([f"model.tokenizer={args.tokenizer}"] if args.tokenizer else []),
+        *args.set,
     ]
     cfg = compose(overrides)
     started = time.perf_counter()
@@ -232,6 +233,8 @@ def measure_model(name: str, checkpointing: bool, args, out: dict, save) -> None
     group = {
         "model": name,
         "gradient_checkpointing": checkpointing,
+        "loss": cfg.memory.loss,
+        "overrides": list(args.set),
         "build_s": build_s,
         "architecture": arch.to_dict(),
         "state": state.__dict__,
@@ -374,6 +377,7 @@ def main() -> None:
     parser.add_argument(
         "--checkpointing", choices=["both", "on", "off"], default="both", help="which gradient checkpointing groups"
     )
+    parser.add_argument("--set", nargs="*", default=[], help="more overrides for every group (memory.loss=chunked)")
     parser.add_argument("--work", default="/tmp/memfit-memory-model")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()

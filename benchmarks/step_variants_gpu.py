@@ -21,6 +21,7 @@ Every number goes to --out as it is measured; `--cases` picks some;
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import sys
@@ -58,6 +59,12 @@ CASES = {
         "qwen2_5_1_5b",
         (4, 2048, 2048),
         ["memory.loss=fused", "memory.layer_kernels=liger", "memory.recompute_lora_dropout=true"],
+        "run",
+    ),
+    "qwen_lora_4x2048_chunked_liger_layers_recomputed_dropout": (
+        "qwen2_5_1_5b",
+        (4, 2048, 2048),
+        ["memory.loss=chunked", "memory.layer_kernels=liger", "memory.recompute_lora_dropout=true"],
         "run",
     ),
     "qwen_lora_4x2048_standard_liger_layers": (
@@ -113,7 +120,8 @@ def measure(name: str, args, out: dict, save) -> None:
         row["frozen_dtypes"] = sorted({str(p.dtype) for p in built.model.parameters() if not p.requires_grad})
         shape = BatchShape(batch, max(8, int(source * args.scale)), max(8, int(label * args.scale)))
         row["shape"] = [shape.batch, shape.source, shape.label]
-        measured = probe(replace(setup, steps=args.steps), shape)[0]
+        with _profiled(args.profile, row):
+            measured = probe(replace(setup, steps=args.steps), shape)[0]
         row["oom"] = measured.oom
         if not measured.oom:
             row["allocated_gib"] = measured.peak.allocated / GIB
@@ -135,6 +143,24 @@ def measure(name: str, args, out: dict, save) -> None:
     print(json.dumps(row), flush=True)
 
 
+@contextlib.contextmanager
+def _profiled(enabled: bool, row: dict):
+    """With --profile: the probe's steps under torch.profiler; the row gets the GPU's kernel seconds over all of
+    them and the operators that took the most of it."""
+    if not enabled:
+        yield
+        return
+    import torch
+
+    activity = torch.profiler.ProfilerActivity
+    with torch.profiler.profile(activities=[activity.CUDA if torch.cuda.is_available() else activity.CPU]) as prof:
+        yield
+    events = prof.key_averages()
+    row["kernel_s"] = sum(e.self_device_time_total for e in events) / 1e6
+    top = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:15]
+    row["top_kernels_ms"] = [[e.key[:90], e.count, round(e.self_device_time_total / 1e3, 2)] for e in top]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
@@ -143,6 +169,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="every case on this model instead (a CPU smoke run)")
     parser.add_argument("--scale", type=float, default=1.0, help="lengths times this (a CPU smoke run)")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per probe (the first meets a new shape)")
+    parser.add_argument("--profile", action="store_true", help="each case's probe under torch.profiler")
     parser.add_argument("--work", default="/tmp/memfit-step-variants")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()

@@ -203,7 +203,7 @@ def test_estimate_only_predicts_without_training(compose_cfg, tmp_path, capsys):
 
 def test_estimate_only_says_what_the_chunked_loss_would_save(compose_cfg, tmp_path, capsys, long_tail_jsonl):
     """The long tail's worst batch, 4 × 304 labels over 30,522 entries: 148 MiB of float32 logits, held twice by the
-    standard loss (logits and gradient) against a 64 MiB chunk twice by the chunked one."""
+    standard loss (logits and gradient) against a chunk of 549 rows (64 MiB) twice by the chunked one."""
     from memfit.run import run
 
     long_labels = [
@@ -214,7 +214,7 @@ def test_estimate_only_says_what_the_chunked_loss_would_save(compose_cfg, tmp_pa
         "trainer.batch_size=4",
     ]
     run(compose_cfg(*long_labels, "estimate_only=true", "calibration.enabled=false", f"output_dir={tmp_path}"))
-    assert "memory.loss=chunked would hold ~155.2 MiB less at this batch" in capsys.readouterr().out
+    assert "memory.loss=chunked would hold ~155.3 MiB less at this batch" in capsys.readouterr().out
     run(compose_cfg(*long_labels, "estimate_only=true", "calibration.enabled=false", "memory.loss=chunked"))
     assert "memory.loss=chunked would hold" not in capsys.readouterr().out  # already chunked: nothing to offer
 

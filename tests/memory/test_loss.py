@@ -86,6 +86,55 @@ def test_only_its_inputs_are_held_for_the_backward_pass_not_the_logits():
     assert chunked <= inputs + 4 * 64 * 8 + 64 < logits_bytes / 4
 
 
+def test_under_autocast_the_heads_products_run_in_its_dtype_as_the_standard_head_does():
+    """A run hands the loss float32 hidden states (Pegasus' final LayerNorm runs in float32 under autocast) and a
+    float32 weight: the products run in autocast's dtype, as the standard head's would, over an odd vocabulary
+    padded for alignment, and the result and gradients are the standard head's within bf16 rounding."""
+    hidden, weight, head_bias, labels = _head(vocab=97, width=32, rows=(4, 24))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = F.linear(hidden, weight, head_bias)
+    assert logits.dtype == torch.bfloat16
+    standard = F.cross_entropy(logits.reshape(-1, 97).float(), labels.reshape(-1))
+    standard.backward()
+    expected = _grads(hidden, weight, head_bias)
+    for t in (hidden, weight, head_bias):
+        t.grad = None
+    chunked = chunked_cross_entropy(hidden, weight, labels, head_bias, chunk=7, dtype=torch.bfloat16)
+    chunked.backward()
+    torch.testing.assert_close(chunked, standard, rtol=2e-2, atol=2e-2)
+    for got, want in zip(_grads(hidden, weight, head_bias), expected, strict=True):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=5e-2, atol=2e-3)
+
+
+def test_it_runs_the_standard_heads_three_products_and_one_without_gradients():
+    """The gradients are made chunk by chunk in the forward pass: three products over the (padded) vocabulary, as
+    the standard head's forward and backward; evaluation (no gradients) runs one."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    hidden, weight, head_bias, labels = _head(vocab=120, width=16, rows=(3, 40), bias=False)
+    one_product = 2 * 120 * 128 * 16  # rows × vocabulary padded to 128 × width, a multiply and an add each
+
+    def flops(run) -> int:
+        with FlopCounterMode(display=False) as counter:
+            run()
+        return counter.get_total_flops()
+
+    assert (
+        flops(lambda: chunked_cross_entropy(hidden, weight, labels, head_bias, chunk=16).backward()) == 3 * one_product
+    )
+    with torch.no_grad():
+        assert flops(lambda: chunked_cross_entropy(hidden, weight, labels, head_bias, chunk=16)) == one_product
+
+
+def test_a_second_backward_through_it_is_refused_with_one_line():
+    hidden, weight, head_bias, labels = _head()
+    loss = chunked_cross_entropy(hidden, weight, labels, head_bias, chunk=5)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss.backward()
+
+
 TINY_T5 = (
     "model=t5_base",
     *(f"model.architecture.{k}={v}" for k, v in dict(d_model=32, d_kv=8, d_ff=64, num_heads=2).items()),

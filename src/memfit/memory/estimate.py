@@ -60,7 +60,8 @@ class Estimate:
         if self.loss_saving:
             lines.append(
                 f"  memory.loss=chunked would hold ~{size(self.loss_saving)} less at this batch (no full float32 "
-                "logits and gradient; one more head product per chunk; on CUDA, memory.loss=fused saves as much)"
+                "logits and gradient; the head's gradients made chunk by chunk; on CUDA, memory.loss=fused saves "
+                "as much)"
             )
         if self.dropout_saving:
             lines.append(
@@ -135,7 +136,7 @@ def estimate(
     if loss == "standard":
         from memfit.memory.loss import chunked_saving
 
-        result.loss_saving = chunked_saving(result.logits)
+        result.loss_saving = chunked_saving(result.logits, arch.vocab_size)
     if calibration is None:
         return result
     result.peak = calibration.estimate(shape)

@@ -61,11 +61,10 @@ def fall_back_to_fp32_on_slow_cpu(memory: DictConfig, device: str) -> list[str]:
 
 def resolve_loss(memory: DictConfig, task: str, device: str) -> str | None:
     """memory.loss=auto → the loss the H200 measurements favour for this model family (benchmarks/README.md,
-    step_variants_gpu.py): a causal LM on CUDA with liger-kernel installed, fused (qwen2_5_1_5b LoRA 4 × 2048: the
-    chunked loss's memory, 33.3 against 46.4 GiB, at 14.2k against the standard loss's 14.0k tokens/s); otherwise
-    chunked (pegasus_large 4 × 1024 × 1024: 16.0 GiB chunked, 16.3 fused, 19.8 standard, and chunked the faster of
-    the two; on CPU, the only one that runs). Sets the knob and returns what it chose, or None where it was not
-    auto."""
+    step_variants_gpu.py): a causal LM on CUDA with liger-kernel installed, fused (qwen2_5_1_5b LoRA 4 × 2048:
+    25.2 GiB and 16.6k tokens/s against chunked's 25.7 and 16.2k, session 27); otherwise chunked (pegasus_large
+    4 × 1024 × 1024: 16.3 GiB at 36-44k tokens/s, against fused's 15.9 at 26-30k and standard's 19.8 at 33-38k;
+    on CPU, the only one that runs). Sets the knob and returns what it chose, or None where it was not auto."""
     if memory.loss != "auto":
         return None
     import importlib.util

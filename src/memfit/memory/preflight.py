@@ -213,7 +213,7 @@ def _policy_ways(
     activations: float,
     trainable_params: int,
     lora_enabled: bool,
-    logits: int,
+    loss_saving: int,
     dropped: int = 0,
 ) -> list[tuple[float, str]]:
     """(expected saving, way out) of the policy's knobs that save memory whatever the batch: the loss, gradient
@@ -227,18 +227,14 @@ def _policy_ways(
                 "input and a mask, not a dropped copy each; one more elementwise product per adapter)",
             )
         )
-    if getattr(memory, "loss", None) == "standard" and logits:
-        from memfit.memory.loss import chunked_saving
-
-        saving = chunked_saving(logits)
-        if saving:
-            ranked.append(
-                (
-                    float(saving),
-                    f"memory.loss=chunked (~{saving / GIB:.2f} GiB less: no full float32 logits and gradient; "
-                    "one more head product per chunk; on CUDA, memory.loss=fused saves as much)",
-                )
+    if getattr(memory, "loss", None) == "standard" and loss_saving:
+        ranked.append(
+            (
+                float(loss_saving),
+                f"memory.loss=chunked (~{loss_saving / GIB:.2f} GiB less: no full float32 logits and gradient; "
+                "the head's gradients made chunk by chunk; on CUDA, memory.loss=fused saves as much)",
             )
+        )
     if not memory.gradient_checkpointing:
         ranked.append(
             (
@@ -272,15 +268,15 @@ def suggest(
     lora_enabled: bool,
     predict: Callable[[BatchShape], float] | None = None,
     min_coverage: float = 0.9,
-    logits: Callable[[BatchShape], int] | None = None,
+    loss_saving: Callable[[BatchShape], int] | None = None,
     dropped: Callable[[BatchShape], int] | None = None,
 ) -> list[str]:
     """Concrete ways out, ranked by expected saving; none cuts a length to keep less than `min_coverage` of its
     tokens. With `predict` (the calibrated memory model: a shape's peak reserved bytes) smaller batches and lengths
     are judged by it; without, activation memory is taken as proportional to the batch's tokens, on top of the
-    static part (weights + optimizer state) the probe measured. `logits`: one float32 copy of a shape's logits
-    (memory.model.logits_bytes), for the loss's way out; `dropped`: the bytes of LoRA's dropped copies at a shape
-    (memory.model.dropped_copies), for memory.recompute_lora_dropout's."""
+    static part (weights + optimizer state) the probe measured. `loss_saving`: what memory.loss=chunked would hold
+    less at a shape (memory.loss.chunked_saving), for the loss's way out; `dropped`: the bytes of LoRA's dropped
+    copies at a shape (memory.model.dropped_copies), for memory.recompute_lora_dropout's."""
     worst = max(report_probes, key=lambda p: p.judged_bytes)
     peak, shape = worst.judged_bytes, worst.shape
     static = worst.static_bytes or 0
@@ -301,8 +297,8 @@ def suggest(
         way = _length_way(shape, name, knob, raw, configured, task, limit, peak, per_token, predict, min_coverage)
         if way is not None:
             ranked.append(way)
-    held = logits(shape) if logits is not None else 0
+    saving = loss_saving(shape) if loss_saving is not None else 0
     copies = dropped(shape) if dropped is not None else 0
-    ranked += _policy_ways(memory, task, shape, activations, trainable_params, lora_enabled, held, copies)
+    ranked += _policy_ways(memory, task, shape, activations, trainable_params, lora_enabled, saving, copies)
     ranked.sort(key=lambda item: -item[0])
     return [text for _, text in ranked]

@@ -235,6 +235,7 @@ def _cap_note(largest: int | None, upper: int, samples: int) -> str | None:
 
 
 def _ways_out(ctx: RunContext, setup: TrainingSetup, measured: list[Any], limit: int, calibration: Any) -> list[str]:
+    from memfit.memory.loss import chunked_saving
     from memfit.memory.model import describe_architecture, dropped_copies, logits_bytes
     from memfit.memory.preflight import suggest
 
@@ -256,7 +257,9 @@ def _ways_out(ctx: RunContext, setup: TrainingSetup, measured: list[Any], limit:
         lora_enabled=cfg.model.lora.enabled,
         predict=(lambda shape: calibration.estimate(shape).reserved) if calibration else None,
         min_coverage=cfg.preflight.min_coverage,
-        logits=lambda shape: logits_bytes(shape.batch, shape.source, shape.label, arch),
+        loss_saving=lambda shape: chunked_saving(
+            logits_bytes(shape.batch, shape.source, shape.label, arch), arch.vocab_size
+        ),
         dropped=lambda shape: copies.bytes(
             shape.batch, shape.source, shape.label, cfg.model.task, cfg.memory.precision
         ),
