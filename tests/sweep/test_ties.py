@@ -32,7 +32,7 @@ def test_a_trial_within_the_fastest_trials_spread_that_keeps_more_labels_is_pick
     fastest, longer = _trial(0, 70_000.0, 256), _trial(1, 65_000.0, 512)  # 7% slower, within ±10%
     chosen = pick([fastest, longer], ["epoch_throughput"], None)
     assert chosen.best is longer and chosen.fastest is fastest and chosen.band == pytest.approx(0.1)
-    assert "picked over trial 0 (7e+04, 7% faster, within the ±10% tie band)" in chosen.describe()
+    assert "picked over trial 0 (7e+04: this one is 7% behind it, within the ±10% tie band)" in chosen.describe()
 
 
 def test_the_pick_is_the_same_whichever_tied_trial_measured_faster():

@@ -30,10 +30,11 @@ class Pick:
         """Why `best` is not the fastest trial; empty where it is."""
         if self.best is self.fastest:
             return ""
-        behind = 1 - self.best.values[0] / self.fastest.values[0]
+        behind = 1 - self.best.values[0] / self.fastest.values[0]  # the share of the fastest's value the band takes
         return (
-            f"; picked over trial {self.fastest.number} ({self.fastest.values[0]:.4g}, {behind:.0%} faster, within "
-            f"the ±{self.band:.0%} tie band), as it keeps more of the data (hydra.sweeper.tie_band=0: the fastest)"
+            f"; picked over trial {self.fastest.number} ({self.fastest.values[0]:.4g}: this one is {behind:.0%} "
+            f"behind it, within the ±{self.band:.0%} tie band), as it keeps more of the data "
+            "(hydra.sweeper.tie_band=0: the fastest)"
         )
 
 
