@@ -128,6 +128,17 @@ FRESH_SHAPES_CHECKPOINTED = {
 }
 
 
+# run 15 (prepared in session 27, not yet measured): shapes no earlier run measured, for every model, to judge the
+# model as it stands after run 14 (the chunked loss's gradients in the forward pass, one attention mask per forward)
+RUN15_SHAPES = {
+    "pegasus_large": [(2, 1152, 576), (6, 832, 256), (12, 512, 192), (20, 384, 128), (3, 640, 1024), (28, 224, 160)],
+    "bart_large": [(3, 768, 512), (10, 640, 160), (22, 448, 192), (5, 320, 896)],
+    "t5_base": [(2, 2816, 384), (7, 1280, 256), (16, 768, 176), (3, 512, 1536), (30, 320, 128), (1, 1536, 2048)],
+    "qwen2_5_0_5b": [(1, 3072, 3072), (3, 2304, 2304), (6, 1280, 1280), (14, 512, 512), (24, 320, 320)],
+    "qwen2_5_1_5b": [(2, 2560, 2560), (4, 1408, 1408), (8, 896, 896), (16, 448, 448)],
+}
+
+
 def compose(overrides: list[str]):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
@@ -248,6 +259,8 @@ def measure_model(name: str, checkpointing: bool, args, out: dict, save) -> None
     baseline_state = accelerate_bytes(model, cfg.memory.precision)
     hidden = hidden_size(model)
     shapes = [(*shape, "standard") for shape in SHAPES[name]]
+    if args.run15:
+        shapes = [(*shape, "run15") for shape in RUN15_SHAPES[name]]
     if args.fresh_shapes and checkpointing and name == "t5_base":
         shapes = [(*shape, run) for run in args.shape_sets for shape in FRESH_SHAPES_CHECKPOINTED[run]]
     elif args.fresh_shapes and name in FRESH_SHAPES:
@@ -378,6 +391,7 @@ def main() -> None:
         "--checkpointing", choices=["both", "on", "off"], default="both", help="which gradient checkpointing groups"
     )
     parser.add_argument("--set", nargs="*", default=[], help="more overrides for every group (memory.loss=chunked)")
+    parser.add_argument("--run15", action="store_true", help="RUN15_SHAPES for every model (no earlier run's)")
     parser.add_argument("--work", default="/tmp/memfit-memory-model")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()

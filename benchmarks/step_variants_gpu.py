@@ -77,6 +77,17 @@ CASES = {
     "pegasus_4x1024x1024_chunked": ("pegasus_large", (4, 1024, 1024), ["memory.loss=chunked"], "run"),
     "pegasus_4x1024x1024_fused": ("pegasus_large", (4, 1024, 1024), ["memory.loss=fused"], "run"),
 }
+# every case above ran, and runs, with an attention mask kept per layer, as `balanced` did before session 27
+PER_LAYER_MASKS = {name: "memory.shared_attention_mask=false" for name in CASES}
+CASES |= {
+    "qwen_lora_4x2048_fused_liger_layers_recomputed_dropout_shared_mask": (
+        "qwen2_5_1_5b",
+        (4, 2048, 2048),
+        ["memory.loss=fused", "memory.layer_kernels=liger", "memory.recompute_lora_dropout=true"],
+        "run",
+    ),
+    "pegasus_4x1024x1024_chunked_shared_mask": ("pegasus_large", (4, 1024, 1024), ["memory.loss=chunked"], "run"),
+}
 GIB = 2**30
 
 
@@ -96,6 +107,7 @@ def measure(name: str, args, out: dict, save) -> None:
 
     model, (batch, source, label), overrides, optimizer = CASES[name]
     model = args.model or model
+    masks = [PER_LAYER_MASKS[name]] if name in PER_LAYER_MASKS else []
     cfg = compose(
         [
             f"model={model}",
@@ -108,9 +120,10 @@ def measure(name: str, args, out: dict, save) -> None:
             f"trainer.device={args.device}",
             *([f"model.tokenizer={args.tokenizer}"] if args.tokenizer else []),
             *overrides,
+            *masks,
         ]
     )
-    row: dict = {"case": name, "model": model, "overrides": overrides, "optimizer": optimizer}
+    row: dict = {"case": name, "model": model, "overrides": [*overrides, *masks], "optimizer": optimizer}
     try:
         started = time.perf_counter()
         built, setup = probe_context(cfg, args.device)

@@ -263,6 +263,11 @@ def build_model(cfg: DictConfig, tokenizer: Any, device: str) -> BuiltModel:
             model = _quantize_random_to_4bit(model)
     if not memory.load_in_4bit:
         model = model.to(device)
+    if memory.shared_attention_mask:
+        from memfit.attention_mask import share_attention_mask
+
+        if share_attention_mask(model):
+            log.info("memory.shared_attention_mask=true: one attention mask per forward pass, kept once")
     if memory.layer_kernels == "liger":  # before LoRA wraps the projections the patched MLP calls
         apply_liger_layers(model)
         log.info("memory.layer_kernels=liger: liger-kernel's RMSNorm and SwiGLU MLP in %s", model_cfg.name)

@@ -423,3 +423,29 @@ def test_estimate_only_says_what_recomputing_lora_dropout_would_save(compose_cfg
     assert f"memory.recompute_lora_dropout=true would hold ~{saving / 2**20:.1f} MiB less at this batch" in out
     run(compose_cfg(*lora, "memory.recompute_lora_dropout=true"))
     assert "memory.recompute_lora_dropout=true would hold" not in capsys.readouterr().out  # already recomputed
+
+
+def test_estimate_only_says_what_a_shared_attention_mask_would_save(compose_cfg, tmp_path, capsys, long_tail_jsonl):
+    """tiny_causal (two layers) at the long tail's worst batch, in fp32: one batch × length² mask copy beyond the
+    shared one, 4 bytes an element."""
+    from memfit.run import run
+
+    causal = [
+        "model=tiny_causal",
+        *FAST,
+        "tracking=none",
+        "data=jsonl",
+        f"data.path={long_tail_jsonl}",
+        "memory.precision=fp32",
+        "estimate_only=true",
+        "calibration.enabled=false",
+        f"output_dir={tmp_path}",
+    ]
+    run(compose_cfg(*causal, "memory.shared_attention_mask=false"))
+    out = capsys.readouterr().out
+    worst = next(line for line in out.splitlines() if line.startswith("  worst "))
+    rows, tokens = (int(n) for n in re.search(r"batch (\d+) × (\d+)", worst).groups())
+    saving = rows * tokens * tokens * 4  # (2 - 1) layers
+    assert f"memory.shared_attention_mask=true would hold ~{saving / 2**20:.1f} MiB less at this batch" in out
+    run(compose_cfg(*causal, "memory.shared_attention_mask=true"))
+    assert "memory.shared_attention_mask=true would hold" not in capsys.readouterr().out  # already shared

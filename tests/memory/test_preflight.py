@@ -380,3 +380,38 @@ def test_recomputing_lora_dropout_is_a_way_out_ranked_by_its_saving_where_it_is_
     assert "(~2.62 GiB less:" in way
     assert off.index(way) < off.index(next(w for w in off if w.startswith("memory.optimizer=")))  # 2.62 > 0.06 GiB
     assert not [w for w in ways(True) if "recompute_lora_dropout" in w]
+
+
+def test_a_shared_attention_mask_is_a_way_out_ranked_by_its_saving_where_it_is_off():
+    import numpy as np
+
+    from memfit.config import GIB
+    from memfit.data.audit import BatchShape
+    from memfit.memory.meter import MemoryPeak
+    from memfit.memory.preflight import Probe, suggest
+
+    worst = BatchShape(4, 2048, 2048)
+    measured = Probe(worst, "train", MemoryPeak(30 * GIB, 30 * GIB), static_bytes=3 * GIB)
+
+    def ways(shared: bool) -> list[str]:
+        memory = SimpleNamespace(gradient_checkpointing=True, optimizer="adamw", shared_attention_mask=shared)
+        return suggest(
+            [measured],
+            24 * GIB,
+            batch=4,
+            accumulation=1,
+            task="causal",
+            label_raw=np.arange(1, 2049),
+            max_label=2048,
+            memory=memory,
+            trainable_params=10**7,
+            lora_enabled=True,
+            min_coverage=0.99,
+            masks=lambda shape: 27 * shape.batch * shape.source**2 * 2,  # qwen2_5_1_5b's 28 layers' copies, bf16
+        )
+
+    off = ways(False)
+    way = next(w for w in off if w.startswith("memory.shared_attention_mask=true"))
+    assert "(~0.84 GiB less:" in way
+    assert off.index(way) < off.index(next(w for w in off if w.startswith("memory.optimizer=")))  # 0.84 > 0.06 GiB
+    assert not [w for w in ways(True) if "shared_attention_mask" in w]

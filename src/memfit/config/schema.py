@@ -151,6 +151,8 @@ class MemoryConfig:
     )
     # LoRA's dropout replayed in the backward pass instead of kept (memfit.models.recompute_lora_dropout)
     recompute_lora_dropout: bool = knob(False, step=True, applied_by="model")
+    # one additive attention mask per forward pass, kept once, not once per layer (memfit.attention_mask)
+    shared_attention_mask: bool = knob(False, step=True, applied_by="model")
     load_in_4bit: bool = knob(
         False,
         step=True,

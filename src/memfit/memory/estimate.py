@@ -37,6 +37,8 @@ class Estimate:
     loss_saving: int = 0  # what memory.loss=chunked would hold less at the worst batch (0: it is already chunked)
     # what memory.recompute_lora_dropout=true would hold less at the worst batch (memory.model.dropped_copies)
     dropout_saving: int = 0
+    # what memory.shared_attention_mask=true would hold less at the worst batch (memory.model.mask_copies)
+    mask_saving: int = 0
 
     @property
     def fits(self) -> bool | None:
@@ -53,6 +55,8 @@ class Estimate:
             out["estimate/chunked_loss_saving_gib"] = self.loss_saving / GIB
         if self.dropout_saving:
             out["estimate/recompute_lora_dropout_saving_gib"] = self.dropout_saving / GIB
+        if self.mask_saving:
+            out["estimate/shared_attention_mask_saving_gib"] = self.mask_saving / GIB
         return out
 
     def _saving_lines(self) -> list[str]:
@@ -67,6 +71,11 @@ class Estimate:
             lines.append(
                 f"  memory.recompute_lora_dropout=true would hold ~{size(self.dropout_saving)} less at this batch "
                 "(LoRA adapters keep their shared input and a mask, not a dropped copy each)"
+            )
+        if self.mask_saving:
+            lines.append(
+                f"  memory.shared_attention_mask=true would hold ~{size(self.mask_saving)} less at this batch "
+                "(one attention mask kept for the backward pass, not one per layer)"
             )
         return lines
 

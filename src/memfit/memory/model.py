@@ -367,3 +367,21 @@ def dropped_copies(model: Any) -> DroppedCopies:
     source = sum((n - 1) * width for (parent, width), n in groups.items() if ".encoder." in f".{parent}.")
     target = sum((n - 1) * width for (parent, width), n in groups.items() if ".encoder." not in f".{parent}.")
     return DroppedCopies(source, target)
+
+
+def mask_copies(batch: int, source: int, label: int, arch: Architecture, precision: str) -> int:
+    """Bytes of the attention-mask copies kept beyond one where every layer converts a padded batch's boolean mask
+    (memory.shared_attention_mask=false): each layer's batch × queries × keys copy in the queries' dtype (bf16 or
+    fp16 under autocast, else fp32), but one; a causal model's self-attention, a seq2seq encoder's self-attention and
+    its decoder's cross-attention (the decoder's own is causal and unpadded: no mask). Zero where attention is not
+    SDPA's (eager keeps its scores; T5's position biases carry the mask)."""
+    if arch.quadratic_attention:
+        return 0
+    element = 2 if precision in ("bf16", "fp16") else 4
+
+    def copies(layers: int, queries: int, keys: int) -> int:
+        return max(layers - 1, 0) * batch * queries * keys * element
+
+    if arch.task == "causal":
+        return copies(arch.decoder_layers, source, source)
+    return copies(arch.encoder_layers, source, source) + copies(arch.decoder_layers, label, source)

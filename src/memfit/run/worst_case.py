@@ -123,7 +123,7 @@ def _log_prediction(ctx: RunContext, calibration: Any, worst: Any) -> float | No
 def estimate(ctx: RunContext, setup: TrainingSetup) -> RunReport:
     """estimate_only=true: the memory model's prediction for this config, printed and recorded; no training."""
     from memfit.memory.estimate import estimate
-    from memfit.memory.model import describe_architecture, dropped_copies
+    from memfit.memory.model import describe_architecture, dropped_copies, mask_copies
     from memfit.memory.state import model_state_bytes
 
     cfg, model = ctx.cfg, setup.built.model
@@ -131,11 +131,12 @@ def estimate(ctx: RunContext, setup: TrainingSetup) -> RunReport:
     calibration = calibrate(ctx, setup, probe_setup(ctx, setup))
     samples = len(ctx.prepared.datasets["train"])
     upper = min(cfg.preflight.max_batch_limit, samples)  # a larger batch would repeat samples
+    arch = describe_architecture(model, cfg.model.task)
     result = estimate(
         cfg.model.task,
         ctx.prepared.audit.worst_train,
         model_state_bytes(model, cfg.memory.optimizer),
-        describe_architecture(model, cfg.model.task),
+        arch,
         calibration,
         budget,
         limit,
@@ -149,6 +150,9 @@ def estimate(ctx: RunContext, setup: TrainingSetup) -> RunReport:
         result.dropout_saving = copies.bytes(
             worst.batch, worst.source, worst.label, cfg.model.task, cfg.memory.precision
         )
+    if not cfg.memory.shared_attention_mask:
+        worst = result.shape
+        result.mask_saving = mask_copies(worst.batch, worst.source, worst.label, arch, cfg.memory.precision)
     result.budget_label = ctx.cap.judged_against
     ctx.tracker.log_metrics(result.metrics(), step=0)
     ctx.tracker.log_text(result.summary(), "estimate.txt")
@@ -236,7 +240,7 @@ def _cap_note(largest: int | None, upper: int, samples: int) -> str | None:
 
 def _ways_out(ctx: RunContext, setup: TrainingSetup, measured: list[Any], limit: int, calibration: Any) -> list[str]:
     from memfit.memory.loss import chunked_saving
-    from memfit.memory.model import describe_architecture, dropped_copies, logits_bytes
+    from memfit.memory.model import describe_architecture, dropped_copies, logits_bytes, mask_copies
     from memfit.memory.preflight import suggest
 
     arch = describe_architecture(setup.built.model, ctx.cfg.model.task)
@@ -263,6 +267,7 @@ def _ways_out(ctx: RunContext, setup: TrainingSetup, measured: list[Any], limit:
         dropped=lambda shape: copies.bytes(
             shape.batch, shape.source, shape.label, cfg.model.task, cfg.memory.precision
         ),
+        masks=lambda shape: mask_copies(shape.batch, shape.source, shape.label, arch, cfg.memory.precision),
     )
 
 
