@@ -398,54 +398,48 @@ def test_a_frozen_encoder_leaves_t5_under_checkpointing_uncalibrated(compose_cfg
     assert "no gradient reached the encoder's output" in caplog.text and not list(tmp_path.glob("*.json"))
 
 
-def test_estimate_only_says_what_recomputing_lora_dropout_would_save(compose_cfg, tmp_path, capsys, long_tail_jsonl):
-    """tiny_causal with dropout on its q and v adapters (one input, hidden 32) at the long tail's worst batch: one
-    dropped copy beyond the shared input, 4 bytes an element in fp32."""
+def _estimate_only_at_the_long_tail(compose_cfg, tmp_path, capsys, jsonl, *overrides: str) -> tuple[str, int, int]:
+    """tiny_causal's estimate_only in fp32 over the long-tail JSONL: what it printed, and its worst batch's rows and
+    tokens."""
     from memfit.run import run
 
-    lora = [
-        "model=tiny_causal",
-        *FAST,
-        "tracking=none",
-        "data=jsonl",
-        f"data.path={long_tail_jsonl}",
-        "memory.precision=fp32",
-        "model.lora.dropout=0.1",
-        "estimate_only=true",
-        "calibration.enabled=false",
-        f"output_dir={tmp_path}",
-    ]
-    run(compose_cfg(*lora, "memory.recompute_lora_dropout=false"))
+    run(
+        compose_cfg(
+            "model=tiny_causal",
+            *FAST,
+            "tracking=none",
+            "data=jsonl",
+            f"data.path={jsonl}",
+            "memory.precision=fp32",
+            "estimate_only=true",
+            "calibration.enabled=false",
+            f"output_dir={tmp_path}",
+            *overrides,
+        )
+    )
     out = capsys.readouterr().out
     worst = next(line for line in out.splitlines() if line.startswith("  worst "))
     rows, tokens = (int(n) for n in re.search(r"batch (\d+) × (\d+)", worst).groups())
+    return out, rows, tokens
+
+
+def test_estimate_only_says_what_recomputing_lora_dropout_would_save(compose_cfg, tmp_path, capsys, long_tail_jsonl):
+    """tiny_causal with dropout on its q and v adapters (one input, hidden 32) at the long tail's worst batch: one
+    dropped copy beyond the shared input, 4 bytes an element in fp32."""
+    lora = (compose_cfg, tmp_path, capsys, long_tail_jsonl, "model.lora.dropout=0.1")
+    out, rows, tokens = _estimate_only_at_the_long_tail(*lora, "memory.recompute_lora_dropout=false")
     saving = rows * tokens * 32 * 2 * 4  # two layers
     assert f"memory.recompute_lora_dropout=true would hold ~{saving / 2**20:.1f} MiB less at this batch" in out
-    run(compose_cfg(*lora, "memory.recompute_lora_dropout=true"))
-    assert "memory.recompute_lora_dropout=true would hold" not in capsys.readouterr().out  # already recomputed
+    out, _, _ = _estimate_only_at_the_long_tail(*lora, "memory.recompute_lora_dropout=true")
+    assert "memory.recompute_lora_dropout=true would hold" not in out  # already recomputed
 
 
 def test_estimate_only_says_what_a_shared_attention_mask_would_save(compose_cfg, tmp_path, capsys, long_tail_jsonl):
     """tiny_causal (two layers) at the long tail's worst batch, in fp32: one batch × length² mask copy beyond the
     shared one, 4 bytes an element."""
-    from memfit.run import run
-
-    causal = [
-        "model=tiny_causal",
-        *FAST,
-        "tracking=none",
-        "data=jsonl",
-        f"data.path={long_tail_jsonl}",
-        "memory.precision=fp32",
-        "estimate_only=true",
-        "calibration.enabled=false",
-        f"output_dir={tmp_path}",
-    ]
-    run(compose_cfg(*causal, "memory.shared_attention_mask=false"))
-    out = capsys.readouterr().out
-    worst = next(line for line in out.splitlines() if line.startswith("  worst "))
-    rows, tokens = (int(n) for n in re.search(r"batch (\d+) × (\d+)", worst).groups())
+    causal = (compose_cfg, tmp_path, capsys, long_tail_jsonl)
+    out, rows, tokens = _estimate_only_at_the_long_tail(*causal, "memory.shared_attention_mask=false")
     saving = rows * tokens * tokens * 4  # (2 - 1) layers
     assert f"memory.shared_attention_mask=true would hold ~{saving / 2**20:.1f} MiB less at this batch" in out
-    run(compose_cfg(*causal, "memory.shared_attention_mask=true"))
-    assert "memory.shared_attention_mask=true would hold" not in capsys.readouterr().out  # already shared
+    out, _, _ = _estimate_only_at_the_long_tail(*causal, "memory.shared_attention_mask=true")
+    assert "memory.shared_attention_mask=true would hold" not in out  # already shared

@@ -345,7 +345,9 @@ def test_preflight_only_searches_even_when_the_configured_batch_does_not_fit_and
     ), line
 
 
-def test_recomputing_lora_dropout_is_a_way_out_ranked_by_its_saving_where_it_is_off():
+def _ways_at_qwen_shape(memory: SimpleNamespace, **estimates) -> list[str]:
+    """The ways out of a qwen2_5_1_5b-like LoRA step measured at 30 GiB (4 × 2048) against a 24 GiB limit, the
+    policy's `memory` and the knobs' saving `estimates` (suggest's dropped=, masks=) given."""
     import numpy as np
 
     from memfit.config import GIB
@@ -353,27 +355,30 @@ def test_recomputing_lora_dropout_is_a_way_out_ranked_by_its_saving_where_it_is_
     from memfit.memory.meter import MemoryPeak
     from memfit.memory.preflight import Probe, suggest
 
-    worst = BatchShape(4, 2048, 2048)
-    measured = Probe(worst, "train", MemoryPeak(30 * GIB, 30 * GIB), static_bytes=3 * GIB)
+    measured = Probe(BatchShape(4, 2048, 2048), "train", MemoryPeak(30 * GIB, 30 * GIB), static_bytes=3 * GIB)
+    return suggest(
+        [measured],
+        24 * GIB,
+        batch=4,
+        accumulation=1,
+        task="causal",
+        label_raw=np.arange(1, 2049),
+        max_label=2048,
+        memory=memory,
+        trainable_params=10**7,
+        lora_enabled=True,
+        min_coverage=0.99,
+        **estimates,
+    )
 
+
+def test_recomputing_lora_dropout_is_a_way_out_ranked_by_its_saving_where_it_is_off():
     def ways(recompute: bool) -> list[str]:
         memory = SimpleNamespace(
             gradient_checkpointing=True, optimizer="adamw", recompute_lora_dropout=recompute, loss="fused"
         )
-        return suggest(
-            [measured],
-            24 * GIB,
-            batch=4,
-            accumulation=1,
-            task="causal",
-            label_raw=np.arange(1, 2049),
-            max_label=2048,
-            memory=memory,
-            trainable_params=10**7,
-            lora_enabled=True,
-            min_coverage=0.99,
-            dropped=lambda shape: shape.batch * shape.source * 6144 * 28 * 2,  # qwen2_5_1_5b's copies in bf16
-        )
+        copies = lambda shape: shape.batch * shape.source * 6144 * 28 * 2  # noqa: E731 - qwen2_5_1_5b's, in bf16
+        return _ways_at_qwen_shape(memory, dropped=copies)
 
     off = ways(False)
     way = next(w for w in off if w.startswith("memory.recompute_lora_dropout=true"))
@@ -383,32 +388,10 @@ def test_recomputing_lora_dropout_is_a_way_out_ranked_by_its_saving_where_it_is_
 
 
 def test_a_shared_attention_mask_is_a_way_out_ranked_by_its_saving_where_it_is_off():
-    import numpy as np
-
-    from memfit.config import GIB
-    from memfit.data.audit import BatchShape
-    from memfit.memory.meter import MemoryPeak
-    from memfit.memory.preflight import Probe, suggest
-
-    worst = BatchShape(4, 2048, 2048)
-    measured = Probe(worst, "train", MemoryPeak(30 * GIB, 30 * GIB), static_bytes=3 * GIB)
-
     def ways(shared: bool) -> list[str]:
         memory = SimpleNamespace(gradient_checkpointing=True, optimizer="adamw", shared_attention_mask=shared)
-        return suggest(
-            [measured],
-            24 * GIB,
-            batch=4,
-            accumulation=1,
-            task="causal",
-            label_raw=np.arange(1, 2049),
-            max_label=2048,
-            memory=memory,
-            trainable_params=10**7,
-            lora_enabled=True,
-            min_coverage=0.99,
-            masks=lambda shape: 27 * shape.batch * shape.source**2 * 2,  # qwen2_5_1_5b's 28 layers' copies, bf16
-        )
+        copies = lambda shape: 27 * shape.batch * shape.source**2 * 2  # noqa: E731 - 28 layers' masks, one kept
+        return _ways_at_qwen_shape(memory, masks=copies)
 
     off = ways(False)
     way = next(w for w in off if w.startswith("memory.shared_attention_mask=true"))
