@@ -345,16 +345,28 @@ def test_preflight_only_searches_even_when_the_configured_batch_does_not_fit_and
     ), line
 
 
-def _ways_at_qwen_shape(memory: SimpleNamespace, **estimates) -> list[str]:
-    """The ways out of a qwen2_5_1_5b-like LoRA step measured at 30 GiB (4 × 2048) against a 24 GiB limit, the
-    policy's `memory` and the knobs' saving `estimates` (suggest's dropped=, masks=) given."""
+def _ways_at_qwen_shape(**knobs) -> list[str]:
+    """The ways out of a qwen2_5_1_5b-like LoRA step (28 layers, bf16) measured at 30 GiB (4 × 2048) against a 24
+    GiB limit, with the policy's memory knobs `knobs` (the rest on) and its dropped copies those of 28 layers' k, v
+    and up adapters (6,144 input features each layer)."""
     import numpy as np
 
     from memfit.config import GIB
     from memfit.data.audit import BatchShape
     from memfit.memory.meter import MemoryPeak
+    from memfit.memory.model import Architecture, DroppedCopies
     from memfit.memory.preflight import Probe, suggest
+    from memfit.memory.savings import knob_savings
 
+    memory = SimpleNamespace(
+        gradient_checkpointing=True,
+        optimizer="adamw",
+        precision="bf16",
+        loss="fused",
+        **{"recompute_lora_dropout": True, "shared_attention_mask": True, **knobs},
+    )
+    arch = Architecture("causal", 151936, 0, 28, 12, quadratic_attention=False)
+    copies = DroppedCopies(source_width=0, target_width=6144 * 28)
     measured = Probe(BatchShape(4, 2048, 2048), "train", MemoryPeak(30 * GIB, 30 * GIB), static_bytes=3 * GIB)
     return suggest(
         [measured],
@@ -368,33 +380,20 @@ def _ways_at_qwen_shape(memory: SimpleNamespace, **estimates) -> list[str]:
         trainable_params=10**7,
         lora_enabled=True,
         min_coverage=0.99,
-        **estimates,
+        savings=lambda shape: knob_savings(memory, arch, copies, shape),
     )
 
 
-def test_recomputing_lora_dropout_is_a_way_out_ranked_by_its_saving_where_it_is_off():
-    def ways(recompute: bool) -> list[str]:
-        memory = SimpleNamespace(
-            gradient_checkpointing=True, optimizer="adamw", recompute_lora_dropout=recompute, loss="fused"
-        )
-        copies = lambda shape: shape.batch * shape.source * 6144 * 28 * 2  # noqa: E731 - qwen2_5_1_5b's, in bf16
-        return _ways_at_qwen_shape(memory, dropped=copies)
-
-    off = ways(False)
-    way = next(w for w in off if w.startswith("memory.recompute_lora_dropout=true"))
-    assert "(~2.62 GiB less:" in way
-    assert off.index(way) < off.index(next(w for w in off if w.startswith("memory.optimizer=")))  # 2.62 > 0.06 GiB
-    assert not [w for w in ways(True) if "recompute_lora_dropout" in w]
-
-
-def test_a_shared_attention_mask_is_a_way_out_ranked_by_its_saving_where_it_is_off():
-    def ways(shared: bool) -> list[str]:
-        memory = SimpleNamespace(gradient_checkpointing=True, optimizer="adamw", shared_attention_mask=shared)
-        copies = lambda shape: 27 * shape.batch * shape.source**2 * 2  # noqa: E731 - 28 layers' masks, one kept
-        return _ways_at_qwen_shape(memory, masks=copies)
-
-    off = ways(False)
-    way = next(w for w in off if w.startswith("memory.shared_attention_mask=true"))
-    assert "(~0.84 GiB less:" in way
-    assert off.index(way) < off.index(next(w for w in off if w.startswith("memory.optimizer=")))  # 0.84 > 0.06 GiB
-    assert not [w for w in ways(True) if "shared_attention_mask" in w]
+@pytest.mark.parametrize(
+    ("knob", "saving"),
+    [
+        ("recompute_lora_dropout", "(~2.62 GiB less:"),  # 4 × 2048 × 6,144 × 28 bf16 copies
+        ("shared_attention_mask", "(~0.84 GiB less:"),  # 27 layers' 4 × 2048² bf16 masks beyond the one kept
+    ],
+)
+def test_a_knob_left_off_is_a_way_out_ranked_by_its_saving(knob, saving):
+    off = _ways_at_qwen_shape(**{knob: False})
+    way = next(w for w in off if w.startswith(f"memory.{knob}=true"))
+    assert saving in way
+    assert off.index(way) < off.index(next(w for w in off if w.startswith("memory.optimizer=")))  # more than 0.06 GiB
+    assert not [w for w in _ways_at_qwen_shape() if knob in w]

@@ -6,7 +6,8 @@ the worst-case lengths; without one (CPU) it gives the analytic part, exact, and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from memfit.config import GIB
@@ -34,11 +35,8 @@ class Estimate:
     calibration: str | None = None  # "<key> (cached | fitted from N probes on <device>)"
     lengths: tuple[int, int] | None = None  # (source, label) the largest batch is judged at
     budget_label: str = "budget"  # what the budget is: budget.gib, or without it the device's memory
-    loss_saving: int = 0  # what memory.loss=chunked would hold less at the worst batch (0: it is already chunked)
-    # what memory.recompute_lora_dropout=true would hold less at the worst batch (memory.model.dropped_copies)
-    dropout_saving: int = 0
-    # what memory.shared_attention_mask=true would hold less at the worst batch (memory.model.mask_copies)
-    mask_saving: int = 0
+    # what each memory knob left off would hold less at the worst batch (memory.savings.knob_savings)
+    savings: dict[str, int] = field(default_factory=dict)
 
     @property
     def fits(self) -> bool | None:
@@ -51,33 +49,19 @@ class Estimate:
             out["estimate/peak_allocated_gib"] = self.peak.allocated / GIB
             out["estimate/peak_reserved_gib"] = self.peak.reserved / GIB
             out["estimate/largest_batch"] = float(self.largest_batch or 0)
-        if self.loss_saving:
-            out["estimate/chunked_loss_saving_gib"] = self.loss_saving / GIB
-        if self.dropout_saving:
-            out["estimate/recompute_lora_dropout_saving_gib"] = self.dropout_saving / GIB
-        if self.mask_saving:
-            out["estimate/shared_attention_mask_saving_gib"] = self.mask_saving / GIB
+        from memfit.memory.savings import KNOB_WAYS
+
+        for knob, saving in self.savings.items():
+            out[KNOB_WAYS[knob].metric] = saving / GIB
         return out
 
     def _saving_lines(self) -> list[str]:
-        lines = []
-        if self.loss_saving:
-            lines.append(
-                f"  memory.loss=chunked would hold ~{size(self.loss_saving)} less at this batch (no full float32 "
-                "logits and gradient; the head's gradients made chunk by chunk; on CUDA, memory.loss=fused saves "
-                "as much)"
-            )
-        if self.dropout_saving:
-            lines.append(
-                f"  memory.recompute_lora_dropout=true would hold ~{size(self.dropout_saving)} less at this batch "
-                "(LoRA adapters keep their shared input and a mask, not a dropped copy each)"
-            )
-        if self.mask_saving:
-            lines.append(
-                f"  memory.shared_attention_mask=true would hold ~{size(self.mask_saving)} less at this batch "
-                "(one attention mask kept for the backward pass, not one per layer)"
-            )
-        return lines
+        from memfit.memory.savings import KNOB_WAYS
+
+        return [
+            f"  {KNOB_WAYS[knob].setting} would hold ~{size(saving)} less at this batch ({KNOB_WAYS[knob].why})"
+            for knob, saving in self.savings.items()
+        ]
 
     def _parts(self) -> dict[str, int]:
         if self.peak is not None:
@@ -132,7 +116,7 @@ def estimate(
     budget: int,
     limit: int,
     upper: int,
-    loss: str = "standard",
+    savings: Callable[[BatchShape], dict[str, int]] | None = None,
 ) -> Estimate:
     """The estimate for the audit's worst batches: the one with most tokens, and for the largest batch, the longest
     source and the longest label together (what any batch of two or more rows can hold)."""
@@ -142,10 +126,8 @@ def estimate(
     if calibration is not None:  # the worst is the one predicted highest
         shape = max(worst, key=lambda s: calibration.estimate(s).reserved)
     result = Estimate(task, shape, limit, budget, state, logits_bytes(shape.batch, shape.source, shape.label, arch))
-    if loss == "standard":
-        from memfit.memory.loss import chunked_saving
-
-        result.loss_saving = chunked_saving(result.logits, arch.vocab_size)
+    if savings is not None:
+        result.savings = savings(shape)
     if calibration is None:
         return result
     result.peak = calibration.estimate(shape)

@@ -337,6 +337,11 @@ def largest_batch(fit: FittedPeak, source: int, label: int, arch: Architecture, 
 # its input per adapter, where the recomputing one keeps each input once for the adapters that read it.
 
 
+def _product_element(precision: str) -> int:
+    """Bytes of one element a product makes: 2 under bf16 or fp16 autocast, else 4."""
+    return 2 if precision in ("bf16", "fp16") else 4
+
+
 @dataclass(frozen=True)
 class DroppedCopies:
     """Input features, summed, of the dropped copies a LoRA model with peft's own dropout keeps beyond one per input.
@@ -350,8 +355,7 @@ class DroppedCopies:
     def bytes(self, batch: int, source: int, label: int, task: str, precision: str) -> int:
         """At a batch shape: each copy is in the product's dtype (bf16 or fp16 under autocast, else fp32)."""
         target = source if task == "causal" else label
-        element = 2 if precision in ("bf16", "fp16") else 4
-        return batch * (self.source_width * source + self.target_width * target) * element
+        return batch * (self.source_width * source + self.target_width * target) * _product_element(precision)
 
 
 def dropped_copies(model: Any) -> DroppedCopies:
@@ -377,7 +381,7 @@ def mask_copies(batch: int, source: int, label: int, arch: Architecture, precisi
     SDPA's (eager keeps its scores; T5's position biases carry the mask)."""
     if arch.quadratic_attention:
         return 0
-    element = 2 if precision in ("bf16", "fp16") else 4
+    element = _product_element(precision)
 
     def copies(layers: int, queries: int, keys: int) -> int:
         return max(layers - 1, 0) * batch * queries * keys * element

@@ -213,37 +213,16 @@ def _policy_ways(
     activations: float,
     trainable_params: int,
     lora_enabled: bool,
-    loss_saving: int,
-    dropped: int = 0,
-    masks: int = 0,
+    savings: dict[str, int],
 ) -> list[tuple[float, str]]:
-    """(expected saving, way out) of the policy's knobs that save memory whatever the batch: the loss, gradient
-    checkpointing, LoRA's dropout, the optimizer, LoRA."""
-    ranked: list[tuple[float, str]] = []
-    if dropped and not getattr(memory, "recompute_lora_dropout", True):
-        ranked.append(
-            (
-                float(dropped),
-                f"memory.recompute_lora_dropout=true (~{dropped / GIB:.2f} GiB less: LoRA adapters keep their shared "
-                "input and a mask, not a dropped copy each; one more elementwise product per adapter)",
-            )
-        )
-    if masks and not getattr(memory, "shared_attention_mask", True):
-        ranked.append(
-            (
-                float(masks),
-                f"memory.shared_attention_mask=true (~{masks / GIB:.2f} GiB less: one attention mask kept for the "
-                "backward pass, not one per layer; the same attention)",
-            )
-        )
-    if getattr(memory, "loss", None) == "standard" and loss_saving:
-        ranked.append(
-            (
-                float(loss_saving),
-                f"memory.loss=chunked (~{loss_saving / GIB:.2f} GiB less: no full float32 logits and gradient; "
-                "the head's gradients made chunk by chunk; on CUDA, memory.loss=fused saves as much)",
-            )
-        )
+    """(expected saving, way out) of the policy's knobs that save memory whatever the batch: those `savings` names
+    (memory.savings.knob_savings), gradient checkpointing, the optimizer, LoRA."""
+    from memfit.memory.savings import KNOB_WAYS
+
+    ranked = [
+        (float(saving), f"{KNOB_WAYS[knob].setting} (~{saving / GIB:.2f} GiB less: {KNOB_WAYS[knob].why})")
+        for knob, saving in savings.items()
+    ]
     if not memory.gradient_checkpointing:
         ranked.append(
             (
@@ -277,17 +256,13 @@ def suggest(
     lora_enabled: bool,
     predict: Callable[[BatchShape], float] | None = None,
     min_coverage: float = 0.9,
-    loss_saving: Callable[[BatchShape], int] | None = None,
-    dropped: Callable[[BatchShape], int] | None = None,
-    masks: Callable[[BatchShape], int] | None = None,
+    savings: Callable[[BatchShape], dict[str, int]] | None = None,
 ) -> list[str]:
     """Concrete ways out, ranked by expected saving; none cuts a length to keep less than `min_coverage` of its
     tokens. With `predict` (the calibrated memory model: a shape's peak reserved bytes) smaller batches and lengths
     are judged by it; without, activation memory is taken as proportional to the batch's tokens, on top of the
-    static part (weights + optimizer state) the probe measured. `loss_saving`: what memory.loss=chunked would hold
-    less at a shape (memory.loss.chunked_saving), for the loss's way out; `dropped`: the bytes of LoRA's dropped
-    copies at a shape (memory.model.dropped_copies), for memory.recompute_lora_dropout's; `masks`: the bytes of
-    the per-layer attention-mask copies (memory.model.mask_copies), for memory.shared_attention_mask's."""
+    static part (weights + optimizer state) the probe measured. `savings`: what each memory knob left off would hold
+    less at a shape (memory.savings.knob_savings), for their ways out."""
     worst = max(report_probes, key=lambda p: p.judged_bytes)
     peak, shape = worst.judged_bytes, worst.shape
     static = worst.static_bytes or 0
@@ -308,9 +283,7 @@ def suggest(
         way = _length_way(shape, name, knob, raw, configured, task, limit, peak, per_token, predict, min_coverage)
         if way is not None:
             ranked.append(way)
-    saving = loss_saving(shape) if loss_saving is not None else 0
-    copies = dropped(shape) if dropped is not None else 0
-    mask_bytes = masks(shape) if masks is not None else 0
-    ranked += _policy_ways(memory, task, shape, activations, trainable_params, lora_enabled, saving, copies, mask_bytes)
+    knobs = savings(shape) if savings is not None else {}
+    ranked += _policy_ways(memory, task, shape, activations, trainable_params, lora_enabled, knobs)
     ranked.sort(key=lambda item: -item[0])
     return [text for _, text in ranked]

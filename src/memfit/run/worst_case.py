@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -123,7 +124,7 @@ def _log_prediction(ctx: RunContext, calibration: Any, worst: Any) -> float | No
 def estimate(ctx: RunContext, setup: TrainingSetup) -> RunReport:
     """estimate_only=true: the memory model's prediction for this config, printed and recorded; no training."""
     from memfit.memory.estimate import estimate
-    from memfit.memory.model import describe_architecture, dropped_copies, mask_copies
+    from memfit.memory.model import describe_architecture
     from memfit.memory.state import model_state_bytes
 
     cfg, model = ctx.cfg, setup.built.model
@@ -131,28 +132,18 @@ def estimate(ctx: RunContext, setup: TrainingSetup) -> RunReport:
     calibration = calibrate(ctx, setup, probe_setup(ctx, setup))
     samples = len(ctx.prepared.datasets["train"])
     upper = min(cfg.preflight.max_batch_limit, samples)  # a larger batch would repeat samples
-    arch = describe_architecture(model, cfg.model.task)
     result = estimate(
         cfg.model.task,
         ctx.prepared.audit.worst_train,
         model_state_bytes(model, cfg.memory.optimizer),
-        arch,
+        describe_architecture(model, cfg.model.task),
         calibration,
         budget,
         limit,
         upper,
-        cfg.memory.loss,
+        _knob_savings(ctx, model),
     )
     result.largest_cap = _cap_note(result.largest_batch, upper, samples)  # as preflight_only says it
-    if not cfg.memory.recompute_lora_dropout:
-        worst = result.shape
-        copies = dropped_copies(model)
-        result.dropout_saving = copies.bytes(
-            worst.batch, worst.source, worst.label, cfg.model.task, cfg.memory.precision
-        )
-    if not cfg.memory.shared_attention_mask:
-        worst = result.shape
-        result.mask_saving = mask_copies(worst.batch, worst.source, worst.label, arch, cfg.memory.precision)
     result.budget_label = ctx.cap.judged_against
     ctx.tracker.log_metrics(result.metrics(), step=0)
     ctx.tracker.log_text(result.summary(), "estimate.txt")
@@ -238,14 +229,20 @@ def _cap_note(largest: int | None, upper: int, samples: int) -> str | None:
     return "the cap preflight.max_batch_limit was reached; larger not tried"
 
 
+def _knob_savings(ctx: RunContext, model: Any) -> Callable[[Any], dict[str, int]]:
+    """What each memory knob the policy leaves off would hold less at a batch shape, for estimate_only's lines and
+    the preflight's ways out alike (memory.savings)."""
+    from memfit.memory.model import describe_architecture, dropped_copies
+    from memfit.memory.savings import knob_savings
+
+    arch, copies = describe_architecture(model, ctx.cfg.model.task), dropped_copies(model)
+    return lambda shape: knob_savings(ctx.cfg.memory, arch, copies, shape)
+
+
 def _ways_out(ctx: RunContext, setup: TrainingSetup, measured: list[Any], limit: int, calibration: Any) -> list[str]:
-    from memfit.memory.loss import chunked_saving
-    from memfit.memory.model import describe_architecture, dropped_copies, logits_bytes, mask_copies
     from memfit.memory.preflight import suggest
 
-    arch = describe_architecture(setup.built.model, ctx.cfg.model.task)
     cfg, audit, prepared = ctx.cfg, ctx.prepared.audit, ctx.prepared
-    copies = dropped_copies(setup.built.model)
     return suggest(
         measured,
         limit,
@@ -261,13 +258,7 @@ def _ways_out(ctx: RunContext, setup: TrainingSetup, measured: list[Any], limit:
         lora_enabled=cfg.model.lora.enabled,
         predict=(lambda shape: calibration.estimate(shape).reserved) if calibration else None,
         min_coverage=cfg.preflight.min_coverage,
-        loss_saving=lambda shape: chunked_saving(
-            logits_bytes(shape.batch, shape.source, shape.label, arch), arch.vocab_size
-        ),
-        dropped=lambda shape: copies.bytes(
-            shape.batch, shape.source, shape.label, cfg.model.task, cfg.memory.precision
-        ),
-        masks=lambda shape: mask_copies(shape.batch, shape.source, shape.label, arch, cfg.memory.precision),
+        savings=_knob_savings(ctx, setup.built.model),
     )
 
 
