@@ -128,7 +128,7 @@ FRESH_SHAPES_CHECKPOINTED = {
 }
 
 
-# run 15 (prepared in session 27, not yet measured): shapes no earlier run measured, for every model, to judge the
+# run 15 (prepared in session 27, measured in session 28): shapes no earlier run measured, for every model, to judge the
 # model as it stands after run 14 (the chunked loss's gradients in the forward pass, one attention mask per forward)
 RUN15_SHAPES = {
     "pegasus_large": [(2, 992, 576), (6, 832, 256), (12, 512, 192), (20, 384, 128), (3, 640, 1024), (28, 224, 160)],
