@@ -265,6 +265,9 @@ def measure_model(name: str, checkpointing: bool, args, out: dict, save) -> None
         shapes = [(*shape, run) for run in args.shape_sets for shape in FRESH_SHAPES_CHECKPOINTED[run]]
     elif args.fresh_shapes and name in FRESH_SHAPES:
         shapes = [(*shape, "run5") for shape in FRESH_SHAPES[name]]
+    too_long = [shape for shape in shapes if max(shape[1:3]) * args.shapes_scale > cfg.model.max_positions]
+    if too_long:  # a CUDA gather asserts far from the cause (session 28): say it here
+        raise ValueError(f"{name}: shapes {too_long} pass model.max_positions={cfg.model.max_positions}")
     if splits_branches(arch, checkpointing):  # record each branch's peak too (the hook only reads the meter)
         setup = replace(setup, split_branches=True)
     for batch, source, label, shape_set in shapes:
