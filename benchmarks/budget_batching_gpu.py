@@ -8,7 +8,8 @@ Data: benchmarks/long_tail_gpu.build_dataset (ACLSum introductions → summaries
 memory=balanced, lengths up to 1024/1024, eval off, under the budget enforced by the allocator cap:
   (a) fixed: the largest batch whose worst case fits at full label length (memfit's preflight_only search);
   (b) fixed, labels cut to `--cut` tokens: the largest batch whose worst case fits at that cut (less label coverage);
-  (c) trainer.batching=budget at full label length;
+  (c) trainer.batching=budget at full label length (steps of equal label tokens, trainer.effective_batch=tokens);
+  (c, samples) the same with steps of exactly 32 samples (`--c-samples`: trainer.effective_batch=samples);
   (c at b's step) the same, at the samples per optimizer step that (b)'s whole batches round up to (`--c-at-b-step`):
       (b) at batch 15 takes ceil(32 / 15) = 3 micro-batches, 45 samples a step, so fewer optimizer updates an epoch.
 Each arm is a fresh `python train.py` (tracking off); its report.json gives tokens/s, peaks, coverage and retries.
@@ -71,6 +72,9 @@ def run_budget(common: list[str], work: Path, budget: float, args: argparse.Name
                 [*here, *cut, *fixed(typical["max_batch"], args.effective)], work / f"{budget}_b"
             )
     out["c_budget"] = train_py([*here, *shaped], work / f"{budget}_c")
+    if args.c_samples:
+        by_samples = [*shaped, "trainer.effective_batch=samples"]
+        out["c_budget_samples"] = train_py([*here, *by_samples], work / f"{budget}_c_samples")
     typical_batch = out.get("b_search", {}).get("max_batch")
     if args.c_at_b_step and typical_batch:
         b_step = typical_batch * math.ceil(args.effective / typical_batch)
@@ -93,6 +97,7 @@ def main() -> None:
     parser.add_argument("--arms", default="abc", choices=["abc", "c"], help="c: the budget-shaped arm alone")
     parser.add_argument("--data-seed", type=int, default=0, help="which pairs get the long labels (held-apart data)")
     parser.add_argument("--c-at-b-step", action="store_true", help="(c) again at (b)'s samples per optimizer step")
+    parser.add_argument("--c-samples", action="store_true", help="(c) again with steps of exactly --effective samples")
     parser.add_argument("--set", nargs="*", default=[], help="more overrides for every arm")
     args = parser.parse_args()
     work = Path(args.work)
@@ -127,7 +132,7 @@ def summary(results: dict) -> str:
     for key, arms in results.items():
         if not key.endswith("GiB"):
             continue
-        for arm in ("a_fixed_full_labels", "b_fixed_cut_labels", "c_budget", "c_budget_at_b_step"):
+        for arm in ("a_fixed_full_labels", "b_fixed_cut_labels", "c_budget", "c_budget_samples", "c_budget_at_b_step"):
             r = arms.get(arm, {})
             lines.append(
                 f"{key} {arm}: exit {r.get('exit_code')} status {r.get('status')} tokens/s {r.get('tokens_per_s')} "

@@ -5,7 +5,15 @@ from __future__ import annotations
 import numpy as np
 
 from memfit.data.audit import padded
-from memfit.data.packing import epoch_micro_batches, epoch_order, pack
+from memfit.data.packing import (
+    TokenStepSampler,
+    balance,
+    epoch_micro_batches,
+    epoch_order,
+    pack,
+    step_micro_batches,
+    token_steps,
+)
 
 
 def _capacity(source: int, label: int) -> int:
@@ -68,3 +76,50 @@ def test_an_epoch_packs_each_sample_once_in_the_same_order_for_a_seed():
     assert all(rows <= _capacity(s, lab) for rows, s, lab in micro)
     fixed = epoch_micro_batches(source, label, first, 4, None, 8)
     assert [rows for rows, _, _ in fixed] == [4] * 25
+
+
+def _long_tail(count: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Sources of 20-200 tokens, labels of 4-40 with 2% of 300-600: a long tail like the GPU benchmark's."""
+    rng = np.random.default_rng(seed)
+    label = np.where(rng.random(count) < 0.02, rng.integers(300, 600, count), rng.integers(4, 40, count))
+    return rng.integers(20, 200, count), label
+
+
+def test_token_steps_see_each_sample_once_in_as_many_steps_as_fixed_batches_and_shuffle_by_epoch():
+    source, label = _long_tail(300, 0)
+    steps = token_steps(source, label, step_samples=16, capacity=_capacity, multiple=8, seed=(5, 0))
+    assert sorted(i for step in steps for i in step) == list(range(300))
+    assert len(steps) == 19 and all(steps)  # ceil(300 / 16), none empty
+    again = token_steps(source, label, step_samples=16, capacity=_capacity, multiple=8, seed=(5, 0))
+    assert again == steps
+    sampler = TokenStepSampler(source, label, step_samples=16, capacity=_capacity, multiple=8, seed=5)
+    assert list(sampler) == steps and len(sampler) == 19
+    sampler.set_epoch(1)
+    assert list(sampler) != steps and len(sampler) == 19
+
+
+def test_token_steps_fill_micro_batches_that_a_step_of_fixed_samples_leaves_half_full():
+    source, label = _long_tail(400, 1)
+
+    def capacity(source: int, label: int) -> int:
+        return 12 if label <= 40 else 2  # a step of 16 short samples takes two micro-batches of 8
+
+    order = epoch_order(source, 16, group_by_length=False, seed=0)
+    by_samples = epoch_micro_batches(source, label, order, 16, capacity, 8)
+    steps = token_steps(source, label, step_samples=16, capacity=capacity, multiple=8, seed=(0, 0))
+    by_tokens = step_micro_batches(source, label, steps, capacity, 8)
+    assert sum(r for r, _, _ in by_tokens) == sum(r for r, _, _ in by_samples) == 400
+    assert all(rows <= capacity(s, lab) for rows, s, lab in by_tokens)
+    assert len(by_tokens) < 0.8 * len(by_samples)  # fewer, fuller micro-batches
+    tokens = [int(label[step].sum()) for step in steps]
+    longest_micro = max(int(label[step].max()) * 2 for step in steps)
+    assert max(tokens) <= np.mean(tokens) + longest_micro  # balanced: no step past the mean by more than a micro-batch
+
+
+def test_balance_deals_every_micro_batch_once_into_nonempty_steps_of_near_equal_tokens():
+    tokens = [400, 30, 30, 30, 30, 30, 30, 30, 30, 100, 100, 100]
+    steps = balance(tokens, 4)
+    assert sorted(j for step in steps for j in step) == list(range(12)) and all(steps)
+    totals = sorted(sum(tokens[j] for j in step) for step in steps)
+    assert totals[-1] == 400  # the long micro-batch alone: nothing is added to the largest step
+    assert totals[0] >= 100 and totals[2] - totals[0] <= 30  # the rest within one small micro-batch of each other

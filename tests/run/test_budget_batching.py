@@ -75,6 +75,9 @@ def test_a_binding_budget_gives_long_labels_small_micro_batches_short_ones_large
     micro = client.get_metric_history(run_id, "train/micro_batches")
     assert [m.step for m in sizes] == [1, 2, 3] and all(m.value >= 1 for m in sizes)
     assert all(m.value >= 1 for m in micro)
+    assert recorded.data.tags["memfit.effective_batch"] == "tokens" and plan["effective_batch"] == "tokens"
+    samples = client.get_metric_history(run_id, "train/samples")  # a step's samples: its label tokens held constant
+    assert [m.step for m in samples] == [1, 2, 3] and all(m.value >= 1 for m in samples)
     table = Path(client.download_artifacts(run_id, "batch_plan/batch_plan.txt")).read_text()
     assert "batch plan (trainer.batching=budget)" in table
     assert roomy_dir  # both runs in one store
@@ -98,3 +101,6 @@ def test_budget_batching_contradictions_are_one_line_before_any_model_load(compo
     with pytest.raises(ConfigError) as err:
         run(compose_cfg("model=tiny_seq2seq", *FAST, "trainer.batching=sometimes"))
     assert "trainer.batching='sometimes' is not one of fixed, budget" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        run(compose_cfg("model=tiny_seq2seq", *FAST, "trainer.batching=budget", "trainer.effective_batch=rows"))
+    assert "trainer.effective_batch='rows' is not one of tokens, samples" in str(err.value)

@@ -140,22 +140,32 @@ def test_the_collator_counts_micro_batches_of_a_padded_shape_not_taken_before(co
     assert collator.new_shapes == 2  # labels 3 and 5 both pad to 8: one shape; labels 9 pad to 16: a second
 
 
+BUDGET_RESUME = ["trainer.batching=budget", "trainer.max_micro_batch=1", "calibration.probe_tokens=1024"]
+
+
 @pytest.mark.parametrize(
-    "batching",
-    [[], ["trainer.batching=budget", "trainer.max_micro_batch=1", "calibration.probe_tokens=1024"]],
-    ids=["fixed", "budget"],
+    ("batching", "kill_at", "checkpoint"),
+    [
+        ([], 3, "checkpoint-2"),
+        # 6 samples: 3 steps an epoch, so checkpoint-4 lies one step into the second epoch (a new shuffle)
+        ([*BUDGET_RESUME, "data.max_train_samples=6"], 5, "checkpoint-4"),
+        ([*BUDGET_RESUME, "trainer.effective_batch=samples"], 3, "checkpoint-2"),
+    ],
+    ids=["fixed", "budget-tokens", "budget-samples"],
 )
-def test_a_killed_run_resumes_from_its_checkpoint_in_the_same_mlflow_run(tmp_path, monkeypatch, batching):
-    """SIGKILLed after the step-2 checkpoint; rerun with trainer.resume=true: steps 3-6 are exactly those of an
+def test_a_killed_run_resumes_from_its_checkpoint_in_the_same_mlflow_run(
+    tmp_path, monkeypatch, batching, kill_at, checkpoint
+):
+    """SIGKILLed after a checkpoint; rerun with trainer.resume=true: the steps after it are exactly those of an
     uninterrupted run (step, optimizer, scheduler, RNG and data position restored) and MLflow holds one run. With
-    budget-shaped batches too (each step's two samples in micro-batches of one row: the plan's packing resumes at
-    the same step)."""
+    budget-shaped batches too (micro-batches of one row), steps counted in tokens (resumed inside the second
+    epoch: its own shuffle, the step already trained skipped) or in samples."""
     common = ["model=tiny_seq2seq", *FAST, "trainer.max_steps=6", "trainer.save_steps=2", "tracking.run_name=resumable"]
     common += [*batching, f"calibration.cache_dir={tmp_path / 'calibration'}"]
     straight = run_train_py(*common, f"output_dir={tmp_path / 'straight'}")
     assert straight.returncode == 0, straight.stderr[-2000:]
 
-    monkeypatch.setenv("MEMFIT_FAULTS", "resumable=kill@3")
+    monkeypatch.setenv("MEMFIT_FAULTS", f"resumable=kill@{kill_at}")
     killed = run_train_py(*common, f"output_dir={tmp_path / 'resumed'}")
     monkeypatch.delenv("MEMFIT_FAULTS")
     assert killed.returncode == -9  # SIGKILL: nothing of memfit ran after it
@@ -164,12 +174,13 @@ def test_a_killed_run_resumes_from_its_checkpoint_in_the_same_mlflow_run(tmp_pat
 
     client, runs = _runs(tmp_path / "resumed")
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"  # continued, not forked
-    assert runs[0].data.tags["memfit.resumed_from"] == "checkpoint-2"
+    assert runs[0].data.tags["memfit.resumed_from"] == checkpoint
     loss = {m.step: m.value for m in client.get_metric_history(runs[0].info.run_id, "train/loss")}
     reference_client, reference = _runs(tmp_path / "straight")
     expected = {m.step: m.value for m in reference_client.get_metric_history(reference[0].info.run_id, "train/loss")}
     assert sorted(loss) == [1, 2, 3, 4, 5, 6]
-    assert [loss[s] for s in (3, 4, 5, 6)] == pytest.approx([expected[s] for s in (3, 4, 5, 6)], rel=1e-5)
+    after = range(kill_at, 7)
+    assert [loss[s] for s in after] == pytest.approx([expected[s] for s in after], rel=1e-5)
 
 
 def test_sigterm_ends_the_run_killed_with_its_metrics_and_it_resumes(tmp_path, monkeypatch):

@@ -3,11 +3,12 @@ gradient of the mean loss per label token over all of the step's samples (memfit
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from memfit.data import CountingCollator
-from memfit.data.packing import MicroBatches
+from memfit.data.packing import MicroBatches, TokenStepSampler, sample_lengths
 from memfit.memory.policy import training_arguments
 from memfit.models import build_model, build_tokenizer
 from memfit.training.trainer import build_trainer, label_tokens
@@ -99,3 +100,22 @@ def test_a_micro_batch_with_no_label_tokens_weighs_nothing_and_passes_no_nan(com
     for name, grad in without.items():
         assert torch.isfinite(with_silent[name]).all(), name
         torch.testing.assert_close(with_silent[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("model_name", ["tiny_seq2seq"])
+def test_steps_counted_in_tokens_reach_training_as_the_sampler_draws_them(compose_cfg, tmp_path, model_name):
+    task, tokenizer, model, collator, trainer, features = _budget_trainer(compose_cfg, tmp_path, model_name)
+    features = features * 3  # 12 samples, 3 steps of 4
+    trainer.train_dataset = features
+    collator.capacity = lambda source, label: 3  # at most 3 rows a micro-batch
+    source, label = (np.array(side) for side in zip(*(sample_lengths(f, task) for f in features), strict=True))
+    trainer.step_sampler = sampler = TokenStepSampler(
+        source, label, step_samples=4, capacity=collator.capacity, multiple=None, seed=0
+    )
+    batches = list(trainer.get_train_dataloader())
+    steps = sampler.steps()
+    assert len(batches) == len(steps) == 3 and all(isinstance(b, MicroBatches) for b in batches)
+    for batch, step in zip(batches, steps, strict=True):
+        assert sum(len(micro["input_ids"]) for micro in batch) == len(step)
+        assert all(len(micro["input_ids"]) <= 3 for micro in batch)
+        assert sum(int(label_tokens(micro, task)) for micro in batch) == sum(label[i] for i in step)

@@ -16,6 +16,7 @@ from memfit.config.schema import (
     BATCHING,
     CALIBRATION_SETTINGS,
     DEVICES,
+    EFFECTIVE_BATCH,
     FROZEN_DTYPES,
     LAYER_KERNELS,
     LOSSES,
@@ -131,6 +132,7 @@ def _validate_trainer(cfg: DictConfig, problems: list[str]) -> None:
 def _validate_batching(cfg: DictConfig, problems: list[str]) -> None:
     t = cfg.trainer
     _choice(problems, "trainer.batching", t.batching, BATCHING)
+    _choice(problems, "trainer.effective_batch", t.effective_batch, EFFECTIVE_BATCH)
     if not 0 < t.micro_batch_fill <= 1:
         problems.append(f"trainer.micro_batch_fill={t.micro_batch_fill} must be in (0, 1]: use 1.0 or e.g. 0.9")
     _positive(problems, "trainer.max_micro_batch", t.max_micro_batch, "use a positive row count or null")

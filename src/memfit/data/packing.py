@@ -9,7 +9,8 @@ samples' lengths, so the collator, the epoch's throughput plan and the tests all
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -95,6 +96,26 @@ def epoch_order(source_lengths: Sequence[int], group: int, group_by_length: bool
     return torch.randperm(len(source_lengths), generator=generator).numpy()
 
 
+def step_micro_batches(
+    source: np.ndarray,
+    label: np.ndarray,
+    steps: Iterable[Sequence[int]],
+    capacity: Capacity | None,
+    multiple: int | None,
+) -> list[tuple[int, int, int]]:
+    """Optimizer steps (sample indices each) as micro-batches (rows, padded source, padded label), each step packed
+    as the collator packs it (without a capacity: the step is one micro-batch)."""
+    out = []
+    for rows in steps:
+        lengths = [(int(source[i]), int(label[i])) for i in rows]
+        groups = pack(lengths, capacity, multiple) if capacity else [list(range(len(rows)))]
+        for group in groups:
+            longest_source = max(lengths[i][0] for i in group)
+            longest_label = max(lengths[i][1] for i in group)
+            out.append((len(group), padded(longest_source, multiple), padded(longest_label, multiple)))
+    return out
+
+
 def epoch_micro_batches(
     source: np.ndarray,
     label: np.ndarray,
@@ -105,13 +126,99 @@ def epoch_micro_batches(
 ) -> list[tuple[int, int, int]]:
     """One epoch's micro-batches as (rows, padded source, padded label): the order cut into optimizer steps of
     `step` samples, each packed as the collator packs it (without a capacity: `step` rows per micro-batch)."""
-    out = []
-    for start in range(0, len(order), step):
-        rows = order[start : start + step]
+    steps = (order[start : start + step] for start in range(0, len(order), step))
+    return step_micro_batches(source, label, steps, capacity, multiple)
+
+
+# trainer.effective_batch=tokens packs this many optimizer steps' samples at once (transformers' length grouping
+# draws megabatches of 50 batches): a wider window fills micro-batches closer to their capacity, a narrower one
+# changes a sample's companions more from epoch to epoch
+TOKEN_STEP_WINDOW = 50
+
+
+def token_steps(
+    source: np.ndarray,
+    label: np.ndarray,
+    *,
+    step_samples: int,
+    capacity: Capacity,
+    multiple: int | None,
+    seed: int | Sequence[int],
+) -> list[list[int]]:
+    """One epoch of trainer.effective_batch=tokens as optimizer steps (sample indices each).
+
+    The samples are shuffled with `seed` and packed, TOKEN_STEP_WINDOW steps' samples at a time, into micro-batches
+    as full as the plan allows; the micro-batches are dealt into as many steps as fixed batches of `step_samples`
+    take (ceil(samples / step_samples)), balanced in label tokens (`balance`), and the steps are shuffled. So a step
+    holds about the label tokens of `step_samples` average samples, and no micro-batch is cut short to end a step
+    at a sample count; a micro-batch that alone holds more than a step's share (long labels) is a step of its own.
+    `label`: the tokens a step counts (a causal LM's whole sequence).
+    """
+    count = len(source)
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(count)
+    window = TOKEN_STEP_WINDOW * step_samples
+    micro: list[list[int]] = []
+    for start in range(0, count, window):
+        rows = order[start : start + window]
         lengths = [(int(source[i]), int(label[i])) for i in rows]
-        groups = pack(lengths, capacity, multiple) if capacity else [list(range(len(rows)))]
-        for group in groups:
-            longest_source = max(lengths[i][0] for i in group)
-            longest_label = max(lengths[i][1] for i in group)
-            out.append((len(group), padded(longest_source, multiple), padded(longest_label, multiple)))
-    return out
+        micro += [[int(rows[i]) for i in group] for group in pack(lengths, capacity, multiple)]
+    micro = [micro[i] for i in rng.permutation(len(micro))]
+    steps = balance([int(np.sum(label[m])) for m in micro], math.ceil(count / step_samples))
+    return [[i for j in steps[k] for i in micro[j]] for k in rng.permutation(len(steps))]
+
+
+def balance(tokens: Sequence[int], steps: int) -> list[list[int]]:
+    """These micro-batches (their token counts) dealt into `steps` non-empty steps of about equal tokens: the largest
+    first, each to the step with the fewest tokens so far (longest-processing-time scheduling: no step exceeds the
+    mean by more than its smallest micro-batch, unless one micro-batch alone does). Needs steps <= micro-batches."""
+    import heapq
+
+    if not 0 < steps <= len(tokens):
+        raise ValueError(f"cannot deal {len(tokens)} micro-batches into {steps} steps")
+    heap = [(0, k) for k in range(steps)]
+    dealt: list[list[int]] = [[] for _ in range(steps)]
+    for j in sorted(range(len(tokens)), key=lambda j: -tokens[j]):  # stable: ties keep the shuffled order
+        total, k = heapq.heappop(heap)
+        dealt[k].append(j)
+        heapq.heappush(heap, (total + tokens[j], k))
+    return dealt
+
+
+class TokenStepSampler:
+    """Trainer's batch sampler under trainer.effective_batch=tokens: one optimizer step's sample indices per batch
+    (token_steps), shuffled anew each epoch. Trainer sets the epoch before iterating, on a resumed run too (before
+    skipping the steps already trained), so a resumed run continues at the same place in the same epoch."""
+
+    def __init__(
+        self,
+        source: np.ndarray,
+        label: np.ndarray,
+        *,
+        step_samples: int,
+        capacity: Capacity,
+        multiple: int | None,
+        seed: int,
+    ):
+        self.source, self.label, self.step_samples = source, label, step_samples
+        self.capacity, self.multiple, self.seed, self.epoch = capacity, multiple, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def steps(self) -> list[list[int]]:
+        """This epoch's steps."""
+        return token_steps(
+            self.source,
+            self.label,
+            step_samples=self.step_samples,
+            capacity=self.capacity,
+            multiple=self.multiple,
+            seed=(self.seed, self.epoch),
+        )
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.source) / self.step_samples)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.steps())

@@ -36,12 +36,32 @@ def _lengths(ctx: RunContext) -> tuple[np.ndarray, np.ndarray]:
 
 def _epoch_micro_batches(ctx: RunContext, plan: Any) -> list[tuple[int, int, int]]:
     """One training epoch as the collator will pack it (the sampler's order under the run's seed)."""
-    from memfit.data.packing import dataset_lengths, epoch_micro_batches, epoch_order
+    from memfit.data.packing import dataset_lengths, step_micro_batches
+    from memfit.training.throughput import epoch_steps
 
     cfg = ctx.cfg
     source, label = dataset_lengths(ctx.prepared.datasets["train"], cfg.model.task)
-    order = epoch_order(source, step_samples(cfg), cfg.memory.group_by_length, cfg.trainer.seed)
-    return epoch_micro_batches(source, label, order, step_samples(cfg), plan.capacity, cfg.memory.pad_to_multiple_of)
+    steps = epoch_steps(cfg, source, label, plan.capacity)
+    return step_micro_batches(source, label, steps, plan.capacity, cfg.memory.pad_to_multiple_of)
+
+
+def _step_sampler(cfg: Any, dataset: Any, plan: Any) -> Any:
+    """trainer.effective_batch=tokens: the sampler that draws steps of equal label tokens; None for samples."""
+    from memfit.data.packing import TokenStepSampler, dataset_lengths
+
+    if cfg.trainer.effective_batch != "tokens":
+        return None
+    source, label = dataset_lengths(dataset, cfg.model.task)
+    log.info(
+        "batch plan: each optimizer step holds about the label tokens of %d average samples (%.0f), micro-batches "
+        "packed full (trainer.effective_batch=tokens)",
+        step_samples(cfg),
+        step_samples(cfg) * float(np.mean(label)) if len(label) else 0.0,
+    )
+    multiple = cfg.memory.pad_to_multiple_of
+    return TokenStepSampler(
+        source, label, step_samples=step_samples(cfg), capacity=plan.capacity, multiple=multiple, seed=cfg.trainer.seed
+    )
 
 
 def _record(ctx: RunContext, plan: Any, micro: list[tuple[int, int, int]]) -> None:
@@ -51,7 +71,9 @@ def _record(ctx: RunContext, plan: Any, micro: list[tuple[int, int, int]]) -> No
     log.info("\n%s", table.rstrip())
     ctx.tracker.log_metrics(plan_metrics(plan, micro), step=0)
     ctx.tracker.log_text(table, "batch_plan/batch_plan.txt")
+    ctx.tracker.set_tags({"memfit.effective_batch": ctx.cfg.trainer.effective_batch})
     record = {
+        "effective_batch": ctx.cfg.trainer.effective_batch,
         "limit_gib": plan.limit_bytes / GIB,
         "fill": plan.fill,
         "cap": plan.cap,
@@ -130,6 +152,7 @@ def plan_batches(ctx: RunContext, setup: TrainingSetup) -> WorstCase:
         report.probes = [plan.measured[shape] for shape in plan.proof_shapes()]
         _record(ctx, plan, _epoch_micro_batches(ctx, plan))
         setup.collator.capacity = plan.capacity
+        setup.trainer.step_sampler = _step_sampler(cfg, setup.trainer.train_dataset, plan)
     ctx.tracker.log_metrics(report.metrics(), step=0)
     ctx.tracker.log_text(report.summary(), "preflight.txt")
     worst = max(report.probes, key=lambda p: p.judged_bytes, default=None)

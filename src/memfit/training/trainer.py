@@ -128,6 +128,9 @@ class MemoryLoggingCallback:
             metrics["train/tokens"] = window.tokens  # real tokens of the window's steps
             metrics["train/micro_batches"] = micro_batches  # forward + backward passes in the window
             metrics["train/micro_batch_size"] = rows / micro_batches if micro_batches else 0.0  # mean rows of each
+            metrics["train/samples"] = (
+                rows  # samples of the window's steps (varies with trainer.effective_batch=tokens)
+            )
             self.windows.append(window)
         self._last_time, self._last = now, counts
         self.tracker.log_metrics(metrics, step=state.global_step)
@@ -167,6 +170,25 @@ class _MemfitTraining:
     memory_loss: str = "standard"  # memory.loss: chunked or fused compute head and loss without the full logits
     token_share: Any = None  # while a micro-batch of a budget-shaped step runs: its share of the step's label tokens
     eval_sums: tuple[Any, Any] = (0.0, 0)  # budget-shaped evaluation: summed loss over label tokens, and the tokens
+    step_sampler: Any = None  # trainer.effective_batch=tokens: memfit.data.packing.TokenStepSampler draws the steps
+
+    def get_train_dataloader(self) -> Any:
+        """Trainer's own, or one optimizer step per batch drawn by the step sampler (steps of unequal sample counts)."""
+        if self.step_sampler is None:
+            return super().get_train_dataloader()
+        from torch.utils.data import DataLoader
+
+        dataset = self.train_dataset
+        if hasattr(dataset, "column_names"):  # a datasets.Dataset, as Trainer's own loader treats it
+            dataset = self._remove_unused_columns(dataset, description="training")
+        loader = DataLoader(
+            dataset,
+            batch_sampler=self.step_sampler,
+            collate_fn=self.data_collator,
+            num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory,
+        )
+        return self.accelerator.prepare(loader)
 
     def _shares(self, inputs: MicroBatches) -> list[Any]:
         counts = [label_tokens(micro, self.task) for micro in inputs]
