@@ -66,6 +66,7 @@ def epoch_overrides(model: str, data: Path, device: str) -> list[str]:
         "trainer.max_steps=-1",
         "trainer.num_train_epochs=1",
         f"trainer.device={device}",
+        "trainer.batching=fixed",  # fixed batches unless an arm says budget (auto trains budget-shaped on CUDA)
     ]
 
 

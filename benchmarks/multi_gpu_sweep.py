@@ -351,6 +351,7 @@ def contention(args: argparse.Namespace) -> None:
         *data_overrides(data, args.tokenizer),
         f"budget.gib={args.budget:g}",
         "trainer.max_steps=5",
+        "trainer.batching=fixed",
         f"trainer.batch_size={batch}",
         f"trainer.gradient_accumulation_steps={math.ceil(16 / batch)}",
         f"memory.max_source_length={source}",

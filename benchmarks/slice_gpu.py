@@ -188,6 +188,7 @@ def main() -> None:
         f"tracking.uri=sqlite:///{args.store}",
         "trainer.batch_size=4",
         "trainer.gradient_accumulation_steps=2",
+        "trainer.batching=fixed",  # the policies' fixed batches (auto trains budget-shaped on CUDA)
     ]
     if args.tokenizer:
         common.append(f"model.tokenizer={args.tokenizer}")

@@ -25,6 +25,7 @@ GPU_RUN = [
     "memory.precision=fp32",
     "data.max_train_samples=32",
     "memory.eval_enabled=false",
+    "trainer.batching=fixed",  # what these tests check is the fixed path's; auto trains budget-shaped on CUDA
 ]
 
 
@@ -58,6 +59,15 @@ def test_oom_in_training_is_recorded_with_forensics(compose_cfg, tmp_path):
     artifacts = {a.path for a in client.list_artifacts(report.run_id, "oom")}
     assert {"oom/report.txt", "oom/memory_snapshot.pickle"} <= artifacts
     torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def test_a_plain_run_on_cuda_trains_budget_shaped_batches_by_default(compose_cfg):
+    cfg = compose_cfg(*[o for o in GPU_RUN if o != "trainer.batching=fixed"], "budget.gib=8", "trainer.batch_size=8")
+    report = run(cfg)
+    assert report.status == "ok" and report.steps == 3, report.reason
+    recorded = MlflowClient(default_tracking_uri(cfg.output_dir)).get_run(report.run_id)
+    assert recorded.data.params["trainer.batching"] == "budget"
+    assert recorded.data.tags["memfit.effective_batch"] == "tokens" and recorded.data.metrics["plan/max_batch"] >= 1
 
 
 def test_the_preflight_catches_what_the_cap_would_kill(compose_cfg):

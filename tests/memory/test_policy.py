@@ -86,3 +86,25 @@ def test_the_auto_loss_is_the_measured_best_for_the_model_family(monkeypatch, ta
     assert policy.resolve_loss(memory, task, device) == expected
     assert memory.loss == expected  # the run and everything after it (calibration key, params) see the choice
     assert policy.resolve_loss(OmegaConf.create({"loss": "standard"}), task, device) is None  # a choice is kept
+
+
+@pytest.mark.parametrize(
+    ("overrides", "device", "expected"),
+    [
+        ([], "cuda", "budget"),  # where the benchmarks measured budget-shaped batches faster
+        ([], "cpu", "fixed"),
+        (["trainer.predict_with_generate=true"], "cuda", "fixed"),  # generation batches are not shaped
+        (["preflight_only=true"], "cuda", "fixed"),  # the largest fixed batch that fits
+        (["estimate_only=true"], "cuda", "fixed"),
+        (["calibration.enabled=false"], "cuda", "fixed"),
+        (["trainer.batching=fixed"], "cuda", "fixed"),  # what the user said stays
+        (["trainer.batching=budget"], "cpu", "budget"),
+    ],
+)
+def test_batching_auto_is_budget_on_cuda_where_nothing_rules_the_plan_out(compose_cfg, overrides, device, expected):
+    from memfit.memory.policy import resolve_batching
+
+    cfg = compose_cfg("model=tiny_seq2seq", *overrides)
+    chosen = resolve_batching(cfg, device)
+    assert cfg.trainer.batching == expected
+    assert chosen == (expected if not any(o.startswith("trainer.batching") for o in overrides) else None)

@@ -100,7 +100,7 @@ def test_budget_batching_contradictions_are_one_line_before_any_model_load(compo
     assert "trainer.batching=budget contradicts preflight.enabled=false" in str(err.value)
     with pytest.raises(ConfigError) as err:
         run(compose_cfg("model=tiny_seq2seq", *FAST, "trainer.batching=sometimes"))
-    assert "trainer.batching='sometimes' is not one of fixed, budget" in str(err.value)
+    assert "trainer.batching='sometimes' is not one of auto, fixed, budget" in str(err.value)
     with pytest.raises(ConfigError) as err:
         run(compose_cfg("model=tiny_seq2seq", *FAST, "trainer.batching=budget", "trainer.effective_batch=rows"))
     assert "trainer.effective_batch='rows' is not one of tokens, samples" in str(err.value)

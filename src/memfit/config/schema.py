@@ -30,7 +30,7 @@ DEVICES = ("auto", "cpu", "cuda")
 TRACKING_BACKENDS = ("mlflow", "none")
 CALIBRATION_SETTINGS = ("auto", "true", "false")
 DATA_STYLES = ("pairs", "messages", "prompt_completion", "alpaca")  # memfit.data.chat renders all but pairs
-BATCHING = ("fixed", "budget")
+BATCHING = ("auto", "fixed", "budget")
 EFFECTIVE_BATCH = ("tokens", "samples")
 
 
@@ -199,7 +199,7 @@ class TrainerConfig:
     device: str = "auto"
     dataloader_num_workers: int = 0
     resume: bool = False  # continue from the last checkpoint of this run name (and its MLflow run), if there is one
-    batching: str = "fixed"  # fixed | budget: micro-batches shaped by the budget (memfit.memory.plan)
+    batching: str = "auto"  # auto | fixed | budget: micro-batches shaped by the budget (memfit.memory.plan)
     micro_batch_fill: float = 1.0  # budget batching: share of the limit a micro-batch's predicted peak may use
     max_micro_batch: int | None = None  # budget batching: the most rows in one micro-batch (null: the step's samples)
     length_buckets: int = 8  # budget batching: cell edges per length (source, label) of the batch plan's grid

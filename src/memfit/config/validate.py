@@ -140,18 +140,24 @@ def _validate_batching(cfg: DictConfig, problems: list[str]) -> None:
         problems.append(f"trainer.length_buckets={t.length_buckets} must be >= 1: use e.g. 6")
     if t.batching != "budget":
         return
-    contradictions = {
-        "trainer.predict_with_generate=true": t.predict_with_generate,
+    if (setting := budget_batching_excluded(cfg)) is not None and setting != "preflight_only=true":
+        problems.append(
+            f"trainer.batching=budget contradicts {setting} (the batch plan is sized by the memory model and "
+            "proven by the preflight; generation batches are not shaped): drop it or set trainer.batching=fixed"
+        )
+
+
+def budget_batching_excluded(cfg: DictConfig) -> str | None:
+    """What in the run's settings rules budget-shaped batches out (its plan is sized by the memory model and proven
+    by the preflight; generation batches are not shaped), or None."""
+    exclusions = {
+        "trainer.predict_with_generate=true": cfg.trainer.predict_with_generate,
         "preflight.enabled=false": not cfg.preflight.enabled,
         "calibration.enabled=false": str(cfg.calibration.enabled).lower() == "false",
         "estimate_only=true": cfg.estimate_only,
+        "preflight_only=true": cfg.preflight_only,  # with fixed batches: the largest batch that fits
     }
-    for setting, present in contradictions.items():
-        if present:
-            problems.append(
-                f"trainer.batching=budget contradicts {setting} (the batch plan is sized by the memory model and "
-                "proven by the preflight; generation batches are not shaped): drop it or set trainer.batching=fixed"
-            )
+    return next((setting for setting, present in exclusions.items() if present), None)
 
 
 def _validate_budget(cfg: DictConfig, problems: list[str]) -> None:

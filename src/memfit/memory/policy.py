@@ -77,6 +77,20 @@ def resolve_loss(memory: DictConfig, task: str, device: str) -> str | None:
     return memory.loss
 
 
+def resolve_batching(cfg: DictConfig, device: str) -> str | None:
+    """trainer.batching=auto → budget on CUDA, where budget-shaped batches trained 1.6-2.6x the tokens/s of the fixed
+    batch the worst case allows on every measured long-tail set (pegasus_large and qwen2_5_1_5b at 24 and 40 GiB,
+    benchmarks/README.md, budget_batching_gpu.py session 29); fixed on CPU (the plan's host-memory calibration costs
+    more than it saves on small CPU runs) and where the run's settings rule the plan out. Sets the knob and returns
+    what it chose, or None where it was not auto."""
+    from memfit.config.validate import budget_batching_excluded
+
+    if cfg.trainer.batching != "auto":
+        return None
+    cfg.trainer.batching = "budget" if device == "cuda" and budget_batching_excluded(cfg) is None else "fixed"
+    return cfg.trainer.batching
+
+
 def apply_attention_kernels(memory: DictConfig, device: str) -> None:
     """Whether scaled-dot-product attention may use cuDNN's kernel. cuDNN builds a plan for each new input shape,
     a host-side cost of a step that meets one, and length-grouped batches padded to a multiple of 8 meet dozens of

@@ -88,9 +88,12 @@ def search_space(arguments: list[str], params: dict[str, Any], config: DictConfi
     from optuna.distributions import CategoricalDistribution
 
     from memfit.config.local_model import resolve_local_model
+    from memfit.memory.policy import resolve_batching, resolve_device
 
     with read_write(config.model):  # model=local: the checkpoint's task and positions, as each trial reads them
         resolve_local_model(config)
+    with read_write(config.trainer):  # trainer.batching=auto: what each trial resolves it to where it trains
+        resolve_batching(config, resolve_device(config))
     params = _batching_choice(params, config)
 
     from memfit.sweep.screen import data_lengths
