@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from memfit.data.audit import padded
@@ -123,3 +125,16 @@ def test_balance_deals_every_micro_batch_once_into_nonempty_steps_of_near_equal_
     totals = sorted(sum(tokens[j] for j in step) for step in steps)
     assert totals[-1] == 400  # the long micro-batch alone: nothing is added to the largest step
     assert totals[0] >= 100 and totals[2] - totals[0] <= 30  # the rest within one small micro-batch of each other
+
+
+def test_token_steps_draw_new_micro_batches_each_epoch_on_a_set_within_one_window():
+    # 200 samples: one window of 50 steps of 16. Sorted by length, the same micro-batches would repeat every epoch
+    # (73% of the pairs of samples sharing a step did so again the next epoch before pack(shuffled=True); now 7%)
+    source, label = _long_tail(200, 4)
+
+    def pairs(epoch: int) -> set[frozenset[int]]:
+        steps = token_steps(source, label, step_samples=16, capacity=_capacity, multiple=8, seed=(7, epoch))
+        return {frozenset(pair) for step in steps for pair in itertools.combinations(step, 2)}
+
+    first = pairs(0)
+    assert len(first & pairs(1)) < 0.2 * len(first)

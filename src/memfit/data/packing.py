@@ -33,7 +33,9 @@ def sample_lengths(feature: dict, task: str) -> tuple[int, int]:
 MICRO_BATCH_COST = 16384
 
 
-def pack(lengths: Sequence[tuple[int, int]], capacity: Capacity, multiple: int | None) -> list[list[int]]:
+def pack(
+    lengths: Sequence[tuple[int, int]], capacity: Capacity, multiple: int | None, shuffled: bool = False
+) -> list[list[int]]:
     """The step's samples (their (source, label) lengths) as micro-batches of indices into `lengths`.
 
     The samples are ordered most constrained first (the fewest rows allowed at their own lengths, then the most
@@ -41,10 +43,14 @@ def pack(lengths: Sequence[tuple[int, int]], capacity: Capacity, multiple: int |
     plus its padded tokens (rows × longest source and label), no micro-batch holding more rows than the capacity of
     its own padded shape. So a step trains in as few micro-batches as the plan allows, and long samples share them
     with long ones. A sample that fits no micro-batch even alone (capacity 0) raises: the batch plan never allows one.
+    `shuffled`: the samples come in a random order, kept within each capacity (no longest first), so micro-batches
+    are random draws among samples the plan allows as many rows, not the same length-sorted neighbours every epoch
+    (more padding: +6% padded tokens over the GPU benchmark's epoch, token_steps' only caller).
     """
     size = [(padded(source, multiple), padded(label, multiple)) for source, label in lengths]
     allowed = functools.lru_cache(maxsize=None)(capacity)
-    order = sorted(range(len(lengths)), key=lambda i: (allowed(*size[i]), -sum(lengths[i]), i))
+    longest_first = (lambda i: 0) if shuffled else (lambda i: -sum(lengths[i]))
+    order = sorted(range(len(lengths)), key=lambda i: (allowed(*size[i]), longest_first(i), i))
     for i in order:
         if allowed(*size[i]) < 1:
             raise ValueError(f"no micro-batch fits a sample of source {lengths[i][0]} × label {lengths[i][1]} tokens")
@@ -148,7 +154,9 @@ def token_steps(
     """One epoch of trainer.effective_batch=tokens as optimizer steps (sample indices each).
 
     The samples are shuffled with `seed` and packed, TOKEN_STEP_WINDOW steps' samples at a time, into micro-batches
-    as full as the plan allows; the micro-batches are dealt into as many steps as fixed batches of `step_samples`
+    as full as the plan allows, each a random draw among samples of like capacity (`pack(shuffled=True)`: on a set
+    that fits in one window, length-sorted micro-batches would repeat every epoch, which trained to a higher eval
+    loss, benchmarks/README.md); the micro-batches are dealt into as many steps as fixed batches of `step_samples`
     take (ceil(samples / step_samples)), balanced in label tokens (`balance`), and the steps are shuffled. So a step
     holds about the label tokens of `step_samples` average samples, and no micro-batch is cut short to end a step
     at a sample count; a micro-batch that alone holds more than a step's share (long labels) is a step of its own.
@@ -162,7 +170,7 @@ def token_steps(
     for start in range(0, count, window):
         rows = order[start : start + window]
         lengths = [(int(source[i]), int(label[i])) for i in rows]
-        micro += [[int(rows[i]) for i in group] for group in pack(lengths, capacity, multiple)]
+        micro += [[int(rows[i]) for i in group] for group in pack(lengths, capacity, multiple, shuffled=True)]
     micro = [micro[i] for i in rng.permutation(len(micro))]
     steps = balance([int(np.sum(label[m])) for m in micro], math.ceil(count / step_samples))
     return [[i for j in steps[k] for i in micro[j]] for k in rng.permutation(len(steps))]
