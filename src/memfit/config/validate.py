@@ -140,24 +140,23 @@ def _validate_batching(cfg: DictConfig, problems: list[str]) -> None:
         problems.append(f"trainer.length_buckets={t.length_buckets} must be >= 1: use e.g. 6")
     if t.batching != "budget":
         return
-    if (setting := budget_batching_excluded(cfg)) is not None and setting != "preflight_only=true":
+    for setting in budget_batching_contradictions(cfg):
         problems.append(
             f"trainer.batching=budget contradicts {setting} (the batch plan is sized by the memory model and "
             "proven by the preflight; generation batches are not shaped): drop it or set trainer.batching=fixed"
         )
 
 
-def budget_batching_excluded(cfg: DictConfig) -> str | None:
-    """What in the run's settings rules budget-shaped batches out (its plan is sized by the memory model and proven
-    by the preflight; generation batches are not shaped), or None."""
-    exclusions = {
+def budget_batching_contradictions(cfg: DictConfig) -> list[str]:
+    """The run's settings that rule budget-shaped batches out: their plan is sized by the memory model and proven
+    by the preflight, and generation batches are not shaped."""
+    settings = {
         "trainer.predict_with_generate=true": cfg.trainer.predict_with_generate,
         "preflight.enabled=false": not cfg.preflight.enabled,
         "calibration.enabled=false": str(cfg.calibration.enabled).lower() == "false",
         "estimate_only=true": cfg.estimate_only,
-        "preflight_only=true": cfg.preflight_only,  # with fixed batches: the largest batch that fits
     }
-    return next((setting for setting, present in exclusions.items() if present), None)
+    return [setting for setting, present in settings.items() if present]
 
 
 def _validate_budget(cfg: DictConfig, problems: list[str]) -> None:

@@ -210,20 +210,24 @@ class TokenStepSampler:
     ):
         self.source, self.label, self.step_samples = source, label, step_samples
         self.capacity, self.multiple, self.seed, self.epoch = capacity, multiple, seed, 0
+        self._drawn: tuple[int, list[list[int]]] | None = None  # the last epoch drawn: the plan table's is training's
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def steps(self) -> list[list[int]]:
-        """This epoch's steps."""
-        return token_steps(
-            self.source,
-            self.label,
-            step_samples=self.step_samples,
-            capacity=self.capacity,
-            multiple=self.multiple,
-            seed=(self.seed, self.epoch),
-        )
+        """This epoch's steps (drawn once per epoch)."""
+        if self._drawn is None or self._drawn[0] != self.epoch:
+            steps = token_steps(
+                self.source,
+                self.label,
+                step_samples=self.step_samples,
+                capacity=self.capacity,
+                multiple=self.multiple,
+                seed=(self.seed, self.epoch),
+            )
+            self._drawn = (self.epoch, steps)
+        return self._drawn[1]
 
     def __len__(self) -> int:
         return math.ceil(len(self.source) / self.step_samples)

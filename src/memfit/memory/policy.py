@@ -83,11 +83,13 @@ def resolve_batching(cfg: DictConfig, device: str) -> str | None:
     benchmarks/README.md, budget_batching_gpu.py session 29); fixed on CPU (the plan's host-memory calibration costs
     more than it saves on small CPU runs) and where the run's settings rule the plan out. Sets the knob and returns
     what it chose, or None where it was not auto."""
-    from memfit.config.validate import budget_batching_excluded
+    from memfit.config.validate import budget_batching_contradictions
 
     if cfg.trainer.batching != "auto":
         return None
-    cfg.trainer.batching = "budget" if device == "cuda" and budget_batching_excluded(cfg) is None else "fixed"
+    # preflight_only with fixed batches searches the largest batch that fits: what that command is for
+    shaped = device == "cuda" and not cfg.preflight_only and not budget_batching_contradictions(cfg)
+    cfg.trainer.batching = "budget" if shaped else "fixed"
     return cfg.trainer.batching
 
 

@@ -34,15 +34,18 @@ def _lengths(ctx: RunContext) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate([p[0] for p in pairs]), np.concatenate([p[1] for p in pairs])
 
 
-def _epoch_micro_batches(ctx: RunContext, plan: Any) -> list[tuple[int, int, int]]:
-    """One training epoch as the collator will pack it (the sampler's order under the run's seed)."""
-    from memfit.data.packing import dataset_lengths, step_micro_batches
-    from memfit.training.throughput import epoch_steps
+def _epoch_micro_batches(ctx: RunContext, plan: Any, sampler: Any) -> list[tuple[int, int, int]]:
+    """One training epoch as the collator will pack it: the step sampler's steps, else the sampler's order under the
+    run's seed cut every step's samples."""
+    from memfit.data.packing import dataset_lengths, epoch_micro_batches, epoch_order, step_micro_batches
 
     cfg = ctx.cfg
+    multiple = cfg.memory.pad_to_multiple_of
+    if sampler is not None:
+        return step_micro_batches(sampler.source, sampler.label, sampler.steps(), plan.capacity, multiple)
     source, label = dataset_lengths(ctx.prepared.datasets["train"], cfg.model.task)
-    steps = epoch_steps(cfg, source, label, plan.capacity)
-    return step_micro_batches(source, label, steps, plan.capacity, cfg.memory.pad_to_multiple_of)
+    order = epoch_order(source, step_samples(cfg), cfg.memory.group_by_length, cfg.trainer.seed)
+    return epoch_micro_batches(source, label, order, step_samples(cfg), plan.capacity, multiple)
 
 
 def _step_sampler(cfg: Any, dataset: Any, plan: Any) -> Any:
@@ -150,9 +153,10 @@ def plan_batches(ctx: RunContext, setup: TrainingSetup) -> WorstCase:
     if report.failure is None:
         report.passed = True
         report.probes = [plan.measured[shape] for shape in plan.proof_shapes()]
-        _record(ctx, plan, _epoch_micro_batches(ctx, plan))
+        sampler = _step_sampler(cfg, setup.trainer.train_dataset, plan)
+        _record(ctx, plan, _epoch_micro_batches(ctx, plan, sampler))
         setup.collator.capacity = plan.capacity
-        setup.trainer.step_sampler = _step_sampler(cfg, setup.trainer.train_dataset, plan)
+        setup.trainer.step_sampler = sampler
     ctx.tracker.log_metrics(report.metrics(), step=0)
     ctx.tracker.log_text(report.summary(), "preflight.txt")
     worst = max(report.probes, key=lambda p: p.judged_bytes, default=None)

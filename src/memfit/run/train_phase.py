@@ -85,7 +85,9 @@ def _epoch_tokens_per_s(ctx: RunContext, setup: TrainingSetup) -> float | None:
     model = StepTimeModel.fit(setup.callback.windows[1:])
     if model is None:
         return None
-    plan = run_epoch_plan(ctx.cfg, setup.trainer.train_dataset, setup.collator.capacity)
+    sampler = setup.trainer.step_sampler  # trainer.effective_batch=tokens: the steps it drew last
+    steps = sampler.steps() if sampler is not None else None
+    plan = run_epoch_plan(ctx.cfg, setup.trainer.train_dataset, setup.collator.capacity, steps)
     return epoch_tokens_per_s(model, plan)
 
 

@@ -20,14 +20,7 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig
 
-from memfit.data.packing import (
-    Capacity,
-    dataset_lengths,
-    epoch_micro_batches,
-    epoch_order,
-    step_micro_batches,
-    token_steps,
-)
+from memfit.data.packing import Capacity, dataset_lengths, epoch_micro_batches, epoch_order, step_micro_batches
 
 
 @dataclass(frozen=True)
@@ -99,20 +92,17 @@ def epoch_plan(
     group_by_length: bool,
     seed: int = 0,
     capacity: Capacity | None = None,
-    by_tokens: bool = False,
+    steps: Sequence[Sequence[int]] | None = None,
 ) -> EpochPlan:
     """The epoch's micro-batches in the order Trainer's sampler draws them (memfit.data.packing.epoch_order,
     megabatches of batch × accumulation), each padded as the collator pads: source and labels each to their longest,
     rounded up to `multiple`. With a batch plan's `capacity` (trainer.batching=budget) each optimizer step's
-    batch × accumulation samples are packed into budget-shaped micro-batches, as the collator packs them; `by_tokens`
-    (trainer.effective_batch=tokens): the steps that memfit.data.packing.token_steps draws instead. A causal LM's
+    batch × accumulation samples are packed into budget-shaped micro-batches, as the collator packs them; `steps`
+    (trainer.effective_batch=tokens): the steps memfit.data.packing.TokenStepSampler drew instead. A causal LM's
     labels are its inputs: only the inputs count."""
     source = np.asarray(source_lengths, dtype=np.int64)
     label = np.asarray(label_lengths, dtype=np.int64)
-    if capacity and by_tokens:
-        steps = token_steps(
-            source, label, step_samples=batch * accumulation, capacity=capacity, multiple=multiple, seed=(seed, 0)
-        )
+    if capacity and steps is not None:
         micro = step_micro_batches(source, label, steps, capacity, multiple)
     else:
         order = epoch_order(source, batch * accumulation, group_by_length, seed)
@@ -124,7 +114,12 @@ def epoch_plan(
     return EpochPlan(real, padded_tokens, len(micro), len(shapes))
 
 
-def run_epoch_plan(cfg: DictConfig, train_dataset: Any, capacity: Capacity | None = None) -> EpochPlan:
+def run_epoch_plan(
+    cfg: DictConfig,
+    train_dataset: Any,
+    capacity: Capacity | None = None,
+    steps: Sequence[Sequence[int]] | None = None,
+) -> EpochPlan:
     """The epoch plan of a run's config over its tokenized training data, packed by the batch plan's `capacity`
     where batches are budget-shaped."""
     source, label = dataset_lengths(train_dataset, cfg.model.task)
@@ -138,21 +133,8 @@ def run_epoch_plan(cfg: DictConfig, train_dataset: Any, capacity: Capacity | Non
         group_by_length=cfg.memory.group_by_length,
         seed=cfg.trainer.seed,
         capacity=capacity,
-        by_tokens=cfg.trainer.effective_batch == "tokens",
+        steps=steps,
     )
-
-
-def epoch_steps(cfg: DictConfig, source: np.ndarray, label: np.ndarray, capacity: Capacity) -> list:
-    """The first epoch's optimizer steps (sample indices each) of a run with budget-shaped batches, as its sampler
-    draws them: token_steps under trainer.effective_batch=tokens, else the sampler's order cut every step's samples."""
-    step = cfg.trainer.batch_size * cfg.trainer.gradient_accumulation_steps
-    if cfg.trainer.effective_batch == "tokens":
-        multiple = cfg.memory.pad_to_multiple_of
-        return token_steps(
-            source, label, step_samples=step, capacity=capacity, multiple=multiple, seed=(cfg.trainer.seed, 0)
-        )
-    order = epoch_order(source, step, cfg.memory.group_by_length, cfg.trainer.seed)
-    return [order[start : start + step] for start in range(0, len(order), step)]
 
 
 def epoch_tokens_per_s(model: StepTimeModel, plan: EpochPlan) -> float:

@@ -128,9 +128,7 @@ class MemoryLoggingCallback:
             metrics["train/tokens"] = window.tokens  # real tokens of the window's steps
             metrics["train/micro_batches"] = micro_batches  # forward + backward passes in the window
             metrics["train/micro_batch_size"] = rows / micro_batches if micro_batches else 0.0  # mean rows of each
-            metrics["train/samples"] = (
-                rows  # samples of the window's steps (varies with trainer.effective_batch=tokens)
-            )
+            metrics["train/samples"] = rows  # the window's samples (a step's vary with effective_batch=tokens)
             self.windows.append(window)
         self._last_time, self._last = now, counts
         self.tracker.log_metrics(metrics, step=state.global_step)
