@@ -150,7 +150,7 @@ def test_tight_on_cuda_trains_a_causal_lm_with_liger_layers_and_records_it(compo
     report = run(cfg)
     assert report.status == "ok" and report.steps == 3, report.reason
     params = MlflowClient(default_tracking_uri(cfg.output_dir)).get_run(report.run_id).data.params
-    assert params["memory.layer_kernels"] == "liger" and params["memory.loss"] == "fused"
+    assert params["memory.layer_kernels"] == "liger" and params["memory.loss"] == "chunked"
 
 
 @pytest.mark.parametrize("loss", ["standard", "chunked"])
@@ -205,6 +205,20 @@ def test_qlora_builds_a_4bit_base_and_trains_its_adapters_with_8bit_adam(compose
     assert recorded.data.params["memory.load_in_4bit"] == "True"
     assert recorded.data.tags["memfit.optimizer"].startswith("bitsandbytes.optim")
     assert "mem/peak_allocated_gib" in recorded.data.metrics
+
+
+def test_qlora_trains_budget_shaped_batches_with_the_chunked_loss_by_default(compose_cfg):
+    """memory=qlora as a user runs it on CUDA: trainer.batching=auto plans budget-shaped batches, and loss=auto runs
+    the chunked head over the 4-bit base's labelled positions (lm_head stays dense)."""
+    pytest.importorskip("bitsandbytes")
+    unpinned = [o for o in GPU_RUN if o != "trainer.batching=fixed"]
+    cfg = compose_cfg(*unpinned, "model=qwen2_5_1_5b", "memory=qlora", "budget.gib=16", "trainer.batch_size=8")
+    report = run(cfg)
+    assert report.status == "ok" and report.steps == 3, report.reason
+    assert report.final_loss is not None and report.final_loss == report.final_loss  # finite, not NaN
+    recorded = MlflowClient(default_tracking_uri(cfg.output_dir)).get_run(report.run_id)
+    assert recorded.data.params["trainer.batching"] == "budget" and recorded.data.params["memory.loss"] == "chunked"
+    assert recorded.data.params["memory.load_in_4bit"] == "True" and recorded.data.metrics["plan/max_batch"] >= 1
 
 
 def test_memory_optimizer_adamw_8bit_trains_with_bitsandbytes(compose_cfg):

@@ -190,6 +190,32 @@ def test_a_models_chunked_loss_and_gradients_equal_its_own_loss(compose_cfg, ove
     assert_model_loss_equals_its_own(compose_cfg, overrides, "chunked", "cpu")
 
 
+def test_a_causal_lms_head_runs_over_its_label_positions_only(compose_cfg):
+    """A causal LM's prompt positions (labels -100) make no logits: two batches of one shape, one labelling 12
+    positions and one 4, differ by the head's product over the 8 positions between them (the standard head makes
+    logits for all 24 either way)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from memfit.memory.loss import VOCAB_ALIGN, model_loss
+    from memfit.models import build_model, build_tokenizer
+    from tests.conftest import FAST
+
+    cfg = compose_cfg("model=tiny_causal", *FAST, "memory.precision=fp32")
+    model = build_model(cfg, build_tokenizer(cfg.model), "cpu").model.eval()
+    input_ids = torch.arange(100, 124).unsqueeze(0)
+
+    def head_flops(labelled: int) -> int:
+        labels = input_ids.clone()
+        labels[:, : 24 - labelled] = -100  # the prompt
+        batch = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": labels}
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            model_loss(model, batch, "causal", chunk=5)
+        return counter.get_total_flops()
+
+    padded_vocab = -(-model.config.vocab_size // VOCAB_ALIGN) * VOCAB_ALIGN
+    assert head_flops(12) - head_flops(4) == 8 * 2 * padded_vocab * model.config.hidden_size
+
+
 def test_a_run_with_the_chunked_loss_trains_and_evaluates_as_the_standard_one(compose_cfg):
     """The preflight, three training steps and Seq2SeqTrainer's evaluation, with the chunked loss: the same losses as
     with the model's own (the same seed, fp32), and a calibration of its own (memory.loss is part of the calibration

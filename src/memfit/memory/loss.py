@@ -263,6 +263,20 @@ def _head_captured(model: Any) -> Iterator[_Head]:
             base.final_logits_bias = extra
 
 
+def label_rows(hidden: torch.Tensor, labels: torch.Tensor, task: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The hidden states and labels of the positions that have a label: a causal LM's labels shifted by one, as
+    transformers shifts them, and every -100 position left out, so the head runs over labels only. A causal LM's
+    prompt (its labels are -100) is most of its positions on summarisation data: the standard head makes logits for
+    all of them, at Qwen2.5's vocabulary 1.2 MB of float32 a position. Padding goes too. A batch without labels keeps
+    its rows (its loss is 0 either way)."""
+    if task == "causal":
+        hidden, labels = hidden[:, :-1], labels[:, 1:]
+    labelled = labels != IGNORE
+    if not bool(labelled.any()):
+        return hidden, labels
+    return hidden[labelled], labels[labelled]
+
+
 def model_loss(
     model: Any,
     batch: dict[str, Any],
@@ -273,17 +287,15 @@ def model_loss(
 ) -> Any:
     """The mean loss per label token of a batch (labels -100 left out), computed without the full logits: the model's
     own forward up to its head (autocast, checkpointing and LoRA as configured), then chunked_cross_entropy (or, with
-    `kind` "fused", fused_cross_entropy) over the hidden states entering it. A causal LM's labels are its inputs
-    shifted by one, as transformers shifts them."""
+    `kind` "fused", fused_cross_entropy) over the hidden states entering it at the positions that have a label
+    (label_rows)."""
     labels = batch["labels"]
     inputs = {key: value for key, value in batch.items() if key != "labels"}
     if task == "seq2seq" and "decoder_input_ids" not in inputs:
         inputs["decoder_input_ids"] = _base(model).prepare_decoder_input_ids_from_labels(labels=labels)
     with _head_captured(model) as head:
         model(**inputs)
-    hidden = head.hidden
-    if task == "causal":
-        hidden, labels = hidden[:, :-1], labels[:, 1:]
+    hidden, labels = label_rows(head.hidden, labels, task)
     if kind == "fused":
         return fused_cross_entropy(hidden, head.weight, labels, head.bias, label_smoothing, head.dtype)
     rows = chunk or rows_per_chunk(head.weight.shape[0])

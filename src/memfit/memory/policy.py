@@ -59,21 +59,16 @@ def fall_back_to_fp32_on_slow_cpu(memory: DictConfig, device: str) -> list[str]:
     return changed
 
 
-def resolve_loss(memory: DictConfig, task: str, device: str) -> str | None:
+def resolve_loss(memory: DictConfig, task: str) -> str | None:
     """memory.loss=auto → the loss the H200 measurements favour for this model family (benchmarks/README.md,
-    step_variants_gpu.py): a causal LM on CUDA with liger-kernel installed, fused (qwen2_5_1_5b LoRA 4 × 2048:
-    25.2 GiB and 16.6k tokens/s against chunked's 25.7 and 16.2k, session 27); otherwise chunked (pegasus_large
-    4 × 1024 × 1024: 16.3 GiB at 36-44k tokens/s, against fused's 15.9 at 26-30k and standard's 19.8 at 33-38k;
-    on CPU, the only one that runs). Sets the knob and returns what it chose, or None where it was not auto."""
+    budget_batching_gpu.py session 30): chunked for a causal LM, whose head then runs over its labelled positions
+    only (qwen2_5_1_5b LoRA at 24 GiB, budget-shaped batches: 22.5-22.8k tokens/s against the standard loss's
+    13.5-15.5k, and the fused kernel's 21.1k); standard for a seq2seq model, whose positions are nearly all labels
+    (pegasus_large: chunked 5-7% slower there). Sets the knob and returns what it chose, or None where it was not
+    auto."""
     if memory.loss != "auto":
         return None
-    import importlib.util
-
-    from memfit.config.schema import memory_knobs
-
-    kernel = memory_knobs()["loss"].package  # the fused loss's package, as the knob declares it
-    fused = task == "causal" and device == "cuda" and importlib.util.find_spec(kernel) is not None
-    memory.loss = "fused" if fused else "chunked"
+    memory.loss = "chunked" if task == "causal" else "standard"
     return memory.loss
 
 

@@ -45,8 +45,8 @@ def _resolve_kernels(cfg: DictConfig, device: str) -> None:
     device (logged); liger's layer kernels on a family liger has none for stop the run before anything is recorded."""
     from memfit.models import check_layer_kernels, model_type, resolve_layer_kernels
 
-    if loss := resolve_loss(cfg.memory, cfg.model.task, device):
-        log.info("memory.loss=auto: %s for a %s model on %s", loss, cfg.model.task, device)
+    if loss := resolve_loss(cfg.memory, cfg.model.task):
+        log.info("memory.loss=auto: %s for a %s model", loss, cfg.model.task)
     family = model_type(cfg.model)
     if kernels := resolve_layer_kernels(cfg.memory, family, device):
         log.info("memory.layer_kernels=auto: %s for model_type %s on %s", kernels, family, device)
