@@ -1,13 +1,14 @@
-"""The memory model against measured peaks: calibrate from memfit's four probes, then predict and measure held-apart
+"""The memory model against measured peaks: calibrate from memfit's probes, then predict and measure held-apart
 configurations, beside the Korthikanti et al. (2022) activation formula and accelerate's estimate-memory.
 
     python benchmarks/memory_model_gpu.py --tokenizer .gpu/tok --out $OUT/memory_model.json
 
 For each model (memory=balanced: bf16 autocast, fp32 weights, AdamW; the Qwen models with LoRA) with and without
-gradient checkpointing: build the model as a run does, calibrate (`memfit.memory.calibration.calibrate`: four probes at
-small shapes, least squares), then for each held-apart shape predict peak allocated and reserved and measure them
-with the preflight's own probe (two optimizer steps of forward and backward on a batch of exactly that shape).
-Every number goes to --out as it is measured. `--models` and `--shapes-scale` make a quick CPU smoke run possible.
+gradient checkpointing: build the model as a run does, calibrate (`memfit.memory.calibration.calibrate`: six
+probes, four for T5's windows, least squares), then for each held-apart shape predict peak allocated and reserved
+and measure them with the preflight's own probe (two optimizer steps of forward and backward on a batch of exactly
+that shape). Every number goes to --out as it is measured. `--models` and `--shapes-scale` make a quick CPU smoke
+run possible.
 
 Baselines, on the same configurations:
 - korthikanti: model state counted exactly (memfit's analytic part) plus s·b·h·(34 + 5·a·s/h) bytes per layer
@@ -138,6 +139,18 @@ RUN15_SHAPES = {
     "qwen2_5_1_5b": [(2, 2560, 2560), (4, 1408, 1408), (8, 896, 896), (16, 448, 448)],
 }
 
+# run 16 (session 31): shapes no earlier run measured or probed, to judge six probes to the most tokens and T5's
+# cross-attention term; the first four of its probes are the four earlier runs calibrated from, so the same rows also
+# judge a four-probe fit (benchmarks/memory_model_refit.py)
+RUN16_SHAPES = {
+    "pegasus_large": [(3, 896, 448), (5, 1024, 160), (9, 640, 320), (16, 448, 224), (24, 256, 192), (2, 512, 1024)],
+    "bart_large": [(4, 1024, 384), (8, 576, 448), (16, 384, 256), (30, 256, 96)],
+    "t5_base": [(1, 2304, 1280), (4, 1536, 320), (8, 1024, 384), (12, 640, 512), (24, 448, 96), (2, 1024, 2304)],
+    "qwen2_5_0_5b": [(1, 5120, 5120), (2, 3584, 3584), (5, 1664, 1664), (9, 896, 896), (22, 352, 352)],
+    "qwen2_5_1_5b": [(1, 5632, 5632), (3, 1792, 1792), (6, 1024, 1024), (12, 576, 576)],
+}
+HELD_APART = {"run15": RUN15_SHAPES, "run16": RUN16_SHAPES}
+
 
 def compose(overrides: list[str]):
     from hydra import compose as hydra_compose
@@ -259,8 +272,8 @@ def measure_model(name: str, checkpointing: bool, args, out: dict, save) -> None
     baseline_state = accelerate_bytes(model, cfg.memory.precision)
     hidden = hidden_size(model)
     shapes = [(*shape, "standard") for shape in SHAPES[name]]
-    if args.run15:
-        shapes = [(*shape, "run15") for shape in RUN15_SHAPES[name]]
+    if args.held_apart:
+        shapes = [(*shape, args.held_apart) for shape in HELD_APART[args.held_apart][name]]
     if args.fresh_shapes and checkpointing and name == "t5_base":
         shapes = [(*shape, run) for run in args.shape_sets for shape in FRESH_SHAPES_CHECKPOINTED[run]]
     elif args.fresh_shapes and name in FRESH_SHAPES:
@@ -394,7 +407,9 @@ def main() -> None:
         "--checkpointing", choices=["both", "on", "off"], default="both", help="which gradient checkpointing groups"
     )
     parser.add_argument("--set", nargs="*", default=[], help="more overrides for every group (memory.loss=chunked)")
-    parser.add_argument("--run15", action="store_true", help="RUN15_SHAPES for every model (no earlier run's)")
+    parser.add_argument(
+        "--held-apart", choices=sorted(HELD_APART), help="that run's shapes for every model (no earlier run's)"
+    )
     parser.add_argument("--work", default="/tmp/memfit-memory-model")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()

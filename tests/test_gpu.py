@@ -241,7 +241,7 @@ def test_the_readme_estimate_on_the_gpu_and_the_preflight_agree(tmp_path):
     command = readme_command("python train.py model=pegasus_large budget.gib=24 estimate_only=true")
     shown = run_train_py(*command[2:], *extra, f"output_dir={tmp_path}", "tracking=none", fresh=True)
     assert shown.returncode == 0, shown.stderr[-3000:]
-    assert "estimate (memory model" in shown.stdout and "fitted from 4 probes" in shown.stdout
+    assert "estimate (memory model" in shown.stdout and "fitted from 6 probes" in shown.stdout
     largest = int(re.search(r"largest batch predicted to fit at [^:]*: (?:>= )?(\d+)", shown.stdout).group(1))
     assert largest >= 1
     checked = run_train_py(

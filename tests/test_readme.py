@@ -60,7 +60,7 @@ def test_preflight_only_example(tmp_path):
 def test_estimate_only_example(tmp_path):
     command = readme_command("python train.py model=tiny_seq2seq estimate_only=true")
     shown = run_train(command, tmp_path).stdout
-    assert "estimate (memory model" in shown and "fitted from 4 probes" in shown
+    assert "estimate (memory model" in shown and "fitted from 6 probes" in shown
     assert re.search(r"largest batch predicted to fit at source \d+ × labels \d+: (>= )?\d+", shown)
     assert len(list(tmp_path.glob("calibration/*.json"))) == 1
     assert finished_runs(tmp_path)[0].data.tags["memfit.mode"] == "estimate_only"

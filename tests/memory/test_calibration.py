@@ -17,6 +17,7 @@ from memfit.memory.calibration import (
     calibrate,
     calibration_key,
     calibration_shapes,
+    fit_peak,
     identity,
     probe_plan,
     wanted,
@@ -43,8 +44,9 @@ def test_calibration_probes_once_then_comes_from_the_cache(compose_cfg, tmp_path
     first = _calibrate(cfg, probed)
     arch = first.architecture
     assert probed == calibration_shapes(arch, 512, cfg.memory.pad_to_multiple_of) and not first.from_cache
-    assert len(first.probes) == 4 and all(p["allocated"] > 0 and p["step_allocated"] > 0 for p in first.probes)
+    assert len(first.probes) == 6 and all(p["allocated"] > 0 and p["step_allocated"] > 0 for p in first.probes)
     assert first.fit.reserved_ratio > 0 and first.fit.step_allocated == max(p["step_allocated"] for p in first.probes)
+    assert fit_peak(arch, first.probes) == first.fit  # the file's probes refit to its model (benchmarks refit them)
     files = list((tmp_path / "cal").glob("*.json"))
     assert [f.stem for f in files] == [first.key]
 
@@ -61,7 +63,7 @@ def test_a_damaged_cache_file_is_fitted_again(compose_cfg, tmp_path):
     first = _calibrate(cfg)
     (tmp_path / "cal" / f"{first.key}.json").write_text("{not json")
     probed: list = []
-    assert not _calibrate(cfg, probed).from_cache and len(probed) == 4
+    assert not _calibrate(cfg, probed).from_cache and len(probed) == 6
     assert Calibration.from_json((tmp_path / "cal" / f"{first.key}.json").read_text()).key == first.key
 
 
@@ -92,7 +94,7 @@ def test_a_calibration_under_way_in_another_process_is_not_repeated_and_a_dead_o
         other.wait()
     probed = []
     fitted = _calibrate(cfg, probed)  # the holder died: the OS released its lock
-    assert fitted is not None and fitted.key == key and len(probed) == 4
+    assert fitted is not None and fitted.key == key and len(probed) == 6
 
 
 def test_the_key_changes_with_model_policy_device_and_versions(compose_cfg, monkeypatch):
@@ -174,7 +176,7 @@ def test_when_to_calibrate_and_how_large_the_probes_are(compose_cfg):
     assert probe_plan(compose_cfg("calibration.probe_tokens=1024"), None) == [(1024, 1), (512, 1), (256, 1)]
     arch = Architecture("seq2seq", 100, 2, 2, 2, quadratic_attention=False)
     shapes = calibration_shapes(arch, 8192, multiple=8, batch_scale=2, max_positions=512)
-    assert max(max(s.source, s.label) for s in shapes) <= 512 and min(s.batch for s in shapes) == 8
+    assert max(max(s.source, s.label) for s in shapes) <= 512 and min(s.batch for s in shapes) == 2  # 1 × scale
 
 
 def test_estimate_only_predicts_without_training(compose_cfg, tmp_path, capsys):
@@ -184,7 +186,7 @@ def test_estimate_only_predicts_without_training(compose_cfg, tmp_path, capsys):
     report = run(cfg)
     shown = capsys.readouterr().out
     assert report.status == "ok" and report.steps == 0 and report.predicted_peak_gib > 0
-    assert "estimate (memory model" in shown and "fitted from 4 probes" in shown and "breakdown: weights" in shown
+    assert "estimate (memory model" in shown and "fitted from 6 probes" in shown and "breakdown: weights" in shown
     calibration = Calibration.from_json(Path(report.calibration).read_text())
     limit = int(report.limit_gib * 1024**3)
     upper = min(cfg.preflight.max_batch_limit, cfg.data.max_train_samples)  # larger would repeat samples

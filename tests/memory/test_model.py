@@ -119,6 +119,7 @@ def test_the_fit_recovers_known_coefficients_from_the_calibration_shapes(arch):
         "encoder_tokens": 6.9e5,
         "decoder_tokens": 1.9e6,
         "attention_scores": 8.9,
+        "cross_attention_scores": 3.1,
     }
     shapes = calibration_shapes(arch, 4096)
     rows = [shape_terms(s.batch, s.source, s.label, arch) for s in shapes]
@@ -127,7 +128,10 @@ def test_the_fit_recovers_known_coefficients_from_the_calibration_shapes(arch):
     assert set(fit.coefficients) == set(rows[0])
     for name, value in fit.coefficients.items():
         assert value == pytest.approx(truth[name], rel=1e-6)
-    assert len(shapes) == 4  # one probe per term, attention or not
+    assert len(shapes) == 6 > len(rows[0])  # a probe to spare for every model
+    # the fifth probe is the longest row, the sixth holds the most tokens: the fit reaches the sizes a step holds
+    tokens = [s.batch * (s.source + (s.label if arch.task == "seq2seq" else 0)) for s in shapes]
+    assert shapes[4].source == max(s.source for s in shapes) and tokens[5] == max(tokens)
 
 
 def test_one_attention_term_counts_every_kept_score():
@@ -138,6 +142,9 @@ def test_one_attention_term_counts_every_kept_score():
     assert t5 == heads * (12 * source * source + 12 * label * label)
     assert shape_terms(batch, source, label, EAGER)["attention_scores"] == t5 + heads * 12 * label * source
     assert "attention_scores" not in shape_terms(batch, source, label, SEQ2SEQ)
+    # T5's cross-attention keeps a mask-and-bias tensor per layer, not its scores: a term of its own
+    assert shape_terms(batch, source, label, T5_LIKE)["cross_attention_scores"] == heads * 12 * label * source
+    assert "cross_attention_scores" not in shape_terms(batch, source, label, EAGER)
 
 
 def test_the_fit_refuses_too_few_or_dependent_probes():

@@ -1,5 +1,6 @@
-"""Calibration of the memory model's per-token part: four cheap probes on the device, one per fitted term, fitted
-by least squares, cached per (model architecture, memory policy, device, library versions) so a sweep pays it once.
+"""Calibration of the memory model's per-token part: six cheap probes on the device (four for T5's windows), at
+least one per fitted term, fitted by least squares, cached per (model architecture, memory policy, device, library
+versions) so a sweep pays it once.
 Where a step peaks in one of six windows (memory.model.splits_branches: T5 under gradient checkpointing), each
 probe measures the stacks' and the head's forward and backward apart, and each window is fitted alone.
 
@@ -43,9 +44,10 @@ from memfit.memory.state import ModelStateBytes
 
 log = logging.getLogger(__name__)
 
-FORMAT = 9  # bump when what a calibration file holds or how it is fitted changes: old files are then not reused
+FORMAT = 10  # bump when what a calibration file holds or how it is fitted changes: old files are then not reused
 # 7: probe batches carry a padding mask (preflight.make_batch), which holds more memory than none; 8: fused AdamW
-# on CUDA; 9: the probe runs the forward as accelerate wraps it for training (16-bit outputs copied to float32)
+# on CUDA; 9: the probe runs the forward as accelerate wraps it for training (16-bit outputs copied to float32);
+# 10: six probes, to the most tokens, and T5's cross-attention scores as a term
 # the memory knobs that change what a step holds for a given shape (their Knob.step; lengths and padding do not)
 POLICY_KNOBS = tuple(name for name, knob in memory_knobs().items() if knob.step)
 
@@ -65,11 +67,14 @@ def calibration_shapes(
     max_positions: int | None = None,
     branches: bool = False,
 ) -> list[BatchShape]:
-    """Four shapes whose terms vary independently: the constant, tokens per stack and, where attention keeps its
+    """Shapes whose terms vary independently: the constant, tokens per stack and, where attention keeps its
     scores, long against short sequences at the same tokens. `tokens` sizes the probes' lengths (capped at the
     model's positions), `batch_scale` multiplies their batch; every length is a multiple of 8 (or of
-    pad_to_multiple_of). With `branches`, the shapes vary each window's terms independently: batch and source
-    length crossed (the encoder's windows), label length apart from them, one long (the decoder's)."""
+    pad_to_multiple_of). Six probes for at most five terms: least squares with a probe to spare, and the last two
+    reach `tokens` (the most a step holds), since probes at one or two sizes alone were read as a line and missed
+    larger shapes by up to 4% (benchmarks/README.md, run 15). With `branches` (four), the shapes vary each window's
+    terms independently: batch and source length crossed (the encoder's windows), label length apart from them,
+    one long (the decoder's)."""
     step = max(8, multiple or 8)
 
     def length(n: float) -> int:
@@ -81,7 +86,14 @@ def calibration_shapes(
         return BatchShape(batch * batch_scale, length(source), length(label))
 
     if arch.task == "causal":
-        return [shape(1, tokens / 4, 0), shape(2, tokens / 4, 0), shape(1, tokens / 2, 0), shape(4, tokens / 16, 0)]
+        return [
+            shape(1, tokens / 4, 0),
+            shape(2, tokens / 4, 0),
+            shape(1, tokens / 2, 0),
+            shape(4, tokens / 16, 0),
+            shape(2, tokens / 2, 0),  # the most tokens, at two lengths: long rows' attention apart from short's
+            shape(8, tokens / 8, 0),
+        ]
     if branches:  # the last: one long label, so the decoder's attention scores show against its tokens
         return [
             shape(4, tokens / 8, tokens / 32),
@@ -94,6 +106,8 @@ def calibration_shapes(
         shape(4, tokens / 4, tokens / 32),
         shape(4, tokens / 8, tokens / 8),
         shape(8, tokens / 16, tokens / 16),  # the tokens of the first shape in shorter sequences: scores apart
+        shape(1, tokens / 2, tokens / 4),  # one long row: its scores, and the decoder's over the source
+        shape(8, tokens / 8, tokens / 16),  # the most tokens
     ]
 
 
@@ -281,6 +295,14 @@ def _fit_reserved(arch: Architecture, measured: list[dict[str, Any]]) -> tuple[f
     return fitted["allocated"], fitted["logits"]
 
 
+def fit_peak(arch: Architecture, measured: list[dict[str, Any]], branches: bool = False) -> FittedPeak:
+    """The memory model fitted from measured probes (a Calibration's `probes`: each shape with its peaks, and each
+    window's where the step splits): a fit per window, the optimizer step's peak (the same for every shape: the
+    largest seen) and the allocator's reserved overhead. Raises ValueError where the probes cannot fit the terms."""
+    windows = _fit_windows(arch, measured, branches)
+    return FittedPeak(windows, max(m["step_allocated"] for m in measured), *_fit_reserved(arch, measured))
+
+
 def calibrate(
     cfg: DictConfig,
     setup: Any,
@@ -288,7 +310,7 @@ def calibrate(
     state: ModelStateBytes,
     on_probe: Callable[[BatchShape], None] | None = None,
 ) -> Calibration | None:
-    """The cached calibration for this run's (model, policy, device, versions), or a new one from four probes
+    """The cached calibration for this run's (model, policy, device, versions), or a new one from its probes
     through the preflight's `probe` (weights and RNG restored after each); smaller shapes are tried when one does
     not fit the budget. None when no plan fits, or while another process calibrates the same key (its lock file
     beside the cache): a run does not wait for it."""
@@ -358,7 +380,7 @@ def _fit_and_cache(
         )
         return None
     try:
-        windows = _fit_windows(arch, measured, branches)
+        fit = fit_peak(arch, measured, branches)
     except (ValueError, IndexError) as err:
         log.warning(
             "memory model: not calibrated (%s): set calibration.probe_tokens lower than %d so the probes fit",
@@ -366,8 +388,6 @@ def _fit_and_cache(
             cfg.calibration.probe_tokens,
         )
         return None
-    # the step's peak is the same for every shape: the largest seen
-    fit = FittedPeak(windows, max(m["step_allocated"] for m in measured), *_fit_reserved(arch, measured))
     calibration = Calibration(key, ident, arch, state, fit, measured, time.perf_counter() - start)
     cache_dir.mkdir(parents=True, exist_ok=True)
     (cache_dir / f"{key}.json").write_text(calibration.to_json())

@@ -82,7 +82,7 @@ def shape_terms(batch: int, source: int, label: int, arch: Architecture) -> dict
     """The regressors of one padded batch: a constant, tokens per stack, and where attention keeps its scores, one
     term counting every kept score (b·heads·q·k per layer, summed over the kinds of attention that keep them). The
     kinds share one coefficient: a score costs the same bytes in encoder and decoder self-attention (T5 on an H200:
-    8.7 and 8.9 fitted apart), so four probes fit the model where one term per kind needed six.
+    8.7 and 8.9 fitted apart); T5's cross-attention, whose scores the kernel does not keep, has its own.
 
     Causal models see one sequence (`source` positions, labels are the same positions)."""
     terms = {"constant": 1.0}
@@ -99,6 +99,12 @@ def shape_terms(batch: int, source: int, label: int, arch: Architecture) -> dict
         if arch.cross_attention_scores:
             scores += arch.decoder_layers * label * source
         terms["attention_scores"] = float(heads * scores)
+    if arch.relative_position_bias and not arch.cross_attention_scores:
+        # T5's cross-attention under SDPA: each layer adds the padding mask to its zero bias (transformers'
+        # create_position_bias_mask), a (b, heads, l, s) tensor the kernel keeps for its backward: a few bytes a
+        # score against self-attention's ~9, so a coefficient of its own (run 15's rows on an H200: ~3 bytes per
+        # score and layer; left to the other terms, they missed by up to 5%)
+        terms["cross_attention_scores"] = float(heads * arch.decoder_layers * label * source)
     return terms
 
 
