@@ -33,8 +33,8 @@ WHEELS = {
     "mlflow's telemetry": ["opentelemetry-api", "opentelemetry-sdk", "opentelemetry-proto"]
     + ["opentelemetry-semantic-conventions", "databricks-sdk", "google-auth", "pyasn1", "pyasn1-modules", "rsa"],
     "mlflow's server and git": ["fastapi", "uvicorn", "starlette", "gitpython", "gitdb", "smmap"],
-    "mlflow's models and sqlite store": ["pydantic", "pydantic-core", "typing-inspection", "cryptography", "cffi"]
-    + ["pycparser"],
+    "mlflow's models and sqlite store": ["pydantic", "pydantic-core", "typing-inspection", "annotated-types"]
+    + ["cryptography", "cffi", "pycparser"],
 }
 PINNED = {"importlib-metadata": "<9"}  # 9 and later import a module the image lacks
 PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 34)] + ["manylinux2014_x86_64", "manylinux1_x86_64"]

@@ -5,13 +5,17 @@ the real probes run in tests/run/test_budget_batching.py."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
 from memfit.config import GIB
 from memfit.data.audit import BatchShape, padded
 from memfit.data.packing import epoch_micro_batches, epoch_order
+from memfit.memory.edges import CELL_SAVING, fitted_edges, length_edges
 from memfit.memory.meter import MemoryPeak
+from memfit.memory.model import largest_fitting
 from memfit.memory.plan import PlanError, grid, prove
 from memfit.memory.probe import Probe
 
@@ -113,3 +117,65 @@ def test_a_sample_that_does_not_fit_alone_fails_with_one_line_naming_it_and_a_wa
         prove(_plan(source, label), _predict, _measuring(128 * 1024, []), 4 * GIB)
     message = str(err.value)
     assert "\n" not in message and "label 8000" in message and "memory.max_label_length=" in message
+
+
+def _causal_long_tail(n: int = 600, seed: int = 3) -> np.ndarray:
+    """Prompt + response lengths: a broad bulk (the rows a cell allows change many times inside it) and a 1% tail."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(80, 640, n)
+    lengths[rng.choice(n, n // 100, replace=False)] = rng.integers(1500, 2400, n // 100)
+    return lengths
+
+
+def _rows_at(length: int, cap: int = 32) -> int:
+    return largest_fitting(lambda rows: _predict(BatchShape(rows, length, length)) <= LIMIT, cap)
+
+
+def _expected_micro_batches(lengths: np.ndarray, edges: tuple[int, ...]) -> float:
+    cells = np.searchsorted(edges, [padded(int(n), 8) for n in lengths])
+    return sum((cells == i).sum() / _rows_at(edge) for i, edge in enumerate(edges))
+
+
+def test_causal_edges_are_fitted_to_need_fewer_micro_batches_than_quantiles_and_every_sample_is_proven():
+    lengths = _causal_long_tail()
+    quantile = length_edges(lengths, 8, 8)
+    fitted = fitted_edges(lengths, _rows_at, 8, 8)
+    assert fitted is not None and len(fitted) <= 8 and fitted[-1] == padded(int(lengths.max()), 8)
+    assert _expected_micro_batches(lengths, fitted) < 0.95 * _expected_micro_batches(lengths, quantile)
+
+    def causal_plan(rows_at):
+        return grid(
+            lengths, lengths, task="causal", buckets=8, multiple=8, limit_bytes=LIMIT, fill=1.0, cap=32, rows_at=rows_at
+        )
+
+    plan = causal_plan(_rows_at)
+    assert plan.source_edges == fitted and sum(plan.samples.values()) == len(lengths) and None not in plan.samples
+    measured: list[BatchShape] = []
+    prove(plan, _predict, _measuring(128 * 1024, measured), budget_bytes=4 * GIB)
+    assert plan.rounds == 1 and set(measured) == set(plan.proof_shapes())
+    _every_micro_batch_is_dominated_by_a_measured_fit(plan, lengths, lengths)
+    assert causal_plan(None).source_edges == quantile  # without a memory model: the quantiles
+
+
+def test_fitted_edges_are_the_least_micro_batches_any_choice_of_edges_gives():
+    lengths = np.random.default_rng(5).integers(8, 200, 60)
+    candidates = sorted({padded(int(n), 8) for n in lengths})
+    longest = candidates[-1]
+    for buckets in (1, 2, 3):
+        fitted = fitted_edges(lengths, _rows_at, buckets, 8)
+        every = [(*inner, longest) for k in range(buckets) for inner in itertools.combinations(candidates[:-1], k)]
+        least = min(_expected_micro_batches(lengths, edges) for edges in every)
+        assert len(fitted) <= buckets
+        assert _expected_micro_batches(lengths, fitted) <= least * (1 + CELL_SAVING) + 1e-9
+
+
+def test_a_causal_sample_too_long_for_the_budget_keeps_its_one_line_error():
+    lengths = _causal_long_tail()
+    lengths[7] = 30000
+    assert fitted_edges(lengths, _rows_at, 8, 8) is None
+    plan = grid(
+        lengths, lengths, task="causal", buckets=8, multiple=8, limit_bytes=LIMIT, fill=1.0, cap=32, rows_at=_rows_at
+    )
+    with pytest.raises(PlanError) as err:
+        prove(plan, _predict, _measuring(128 * 1024, []), 4 * GIB)
+    assert "\n" not in str(err.value) and "30000 tokens" in str(err.value)

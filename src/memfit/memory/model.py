@@ -327,14 +327,16 @@ def estimate_peak(
 
 def largest_batch(fit: FittedPeak, source: int, label: int, arch: Architecture, limit: int, upper: int) -> int:
     """The largest batch whose predicted peak *reserved* (what the preflight judges) is within `limit` at these
-    lengths (0: not even one row), at most `upper`. Every window grows with the batch, so bisection finds it."""
+    lengths (0: not even one row), at most `upper`."""
+    return largest_fitting(lambda batch: fit.reserved(batch, source, label, arch) <= limit, upper)
+
+
+def largest_fitting(fits: Callable[[int], bool], upper: int) -> int:
+    """The largest batch in [0, upper] that fits: bisection, since every peak grows with the rows."""
     low, high = 0, upper
     while low < high:
         middle = (low + high + 1) // 2
-        if fit.reserved(middle, source, label, arch) <= limit:
-            low = middle
-        else:
-            high = middle - 1
+        low, high = (middle, high) if fits(middle) else (low, middle - 1)
     return low
 
 

@@ -3,8 +3,9 @@ whose padded worst case fits the limit, and the plan is proven before step 1.
 
 The grid. Source and label lengths (padded as the collator pads) are cut at edges: the data's own quantiles (p25, p50,
 p75, then towards the tail: p90, p97, p99, p99.7, ... and the longest), so that most samples lie near the top of their
-cell and the rare long ones get cells of their own. A causal LM has one length (prompt + response). A cell holds
-the micro-batches padded to at most its edges. Only cells that hold a sample are sized.
+cell and the rare long ones get cells of their own. A causal LM has one length (prompt + response), and where the
+memory model is known before the grid its edges are chosen instead to need the fewest micro-batches an epoch
+(`fitted_edges`). A cell holds the micro-batches padded to at most its edges. Only cells that hold a sample are sized.
 
 The sizes. The memory model (a calibrated `predict(shape)`: peak reserved bytes) proposes each cell's batch: the
 most rows, up to the cap, whose predicted peak at the cell's edges stays within fill × limit. A micro-batch padded to
@@ -32,24 +33,15 @@ import numpy as np
 
 from memfit.config import GIB
 from memfit.data.audit import BatchShape, padded
+from memfit.memory.edges import fitted_edges, length_edges
+from memfit.memory.model import largest_fitting
 from memfit.memory.probe import Probe
 
 Cell = tuple[int, int]  # (source edge index, label edge index)
 
-# quantiles of the edges, then the longest: the quartiles where most samples lie (a cell trains at its top edge's
-# batch, so a wide first cell sizes most samples by lengths they do not have), then towards the tail
-TAIL_QUANTILES = (0.25, 0.5, 0.75, 0.9, 0.97, 0.99, 0.997, 0.999, 0.9997, 0.9999)
-
 
 class PlanError(ValueError):
     """The budget cannot hold some sample of the data even alone, or the plan cannot be made to fit."""
-
-
-def length_edges(lengths: np.ndarray, buckets: int, multiple: int | None) -> tuple[int, ...]:
-    """Up to `buckets` cell edges over these lengths, padded: the tail quantiles, the longest last."""
-    quantiles = [*TAIL_QUANTILES[: max(buckets - 1, 0)], 1.0]
-    values = np.quantile(lengths, quantiles, method="higher") if len(lengths) else [1]
-    return tuple(sorted({padded(int(v), multiple) for v in values}))
 
 
 @dataclass
@@ -131,9 +123,12 @@ def grid(
     limit_bytes: int,
     fill: float,
     cap: int,
+    rows_at: Callable[[int], int] | None = None,
 ) -> BatchPlan:
-    """The length grid over the samples' lengths (training and evaluation), with each cell's sample count."""
-    source_edges = length_edges(source, buckets, multiple)
+    """The length grid over the samples' lengths (training and evaluation), with each cell's sample count. A causal
+    LM's edges are fitted to `rows_at` (the most rows a micro-batch of that padded length may hold) where given."""
+    fitted = fitted_edges(source, rows_at, buckets, multiple) if task == "causal" and rows_at else None
+    source_edges = fitted or length_edges(source, buckets, multiple)
     label_edges = source_edges if task == "causal" else length_edges(label, buckets, multiple)
     plan = BatchPlan(task, source_edges, label_edges, multiple, limit_bytes, fill, cap, samples={})
     for s, lab in zip(source, label, strict=True):
@@ -148,14 +143,7 @@ def size(plan: BatchPlan, predict: Callable[[BatchShape], float]) -> None:
     target = plan.fill * plan.limit_bytes
     for cell in plan.samples:
         upper = min(plan.cap, plan.ceilings.get(cell, plan.cap))
-
-        def fits(batch: int, cell: Cell = cell) -> bool:
-            return plan.factor * predict(plan.shape(cell, batch)) <= target
-
-        low, high = 0, upper  # the largest batch in [0, upper] that fits: bisection (peaks grow with rows)
-        while low < high:
-            middle = (low + high + 1) // 2
-            low, high = (middle, high) if fits(middle) else (low, middle - 1)
+        low = largest_fitting(lambda batch, cell=cell: plan.factor * predict(plan.shape(cell, batch)) <= target, upper)
         plan.batches[cell] = low
         plan.predicted[cell] = int(plan.factor * predict(plan.shape(cell, max(low, 1))))
 

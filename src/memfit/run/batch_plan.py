@@ -97,22 +97,31 @@ def _record(ctx: RunContext, plan: Any, micro: list[tuple[int, int, int]]) -> No
         ctx.tracker.log_artifact(path, "batch_plan")
 
 
-def _predictor(calibration: Any, plan: Any, measure: Any, budget: int) -> Any:
+def _predictor(calibration: Any, longest: Any, task: str, measure: Any, budget: int) -> Any:
     """The memory model's prediction of a shape's peak reserved bytes; without one (not calibrated: another process
-    is calibrating, or the model is not one memfit can fit), peaks scaled from two probes of the longest cell."""
+    is calibrating, or the model is not one memfit can fit), peaks scaled from two probes of the longest sample's
+    padded lengths."""
     from memfit.data.audit import BatchShape
     from memfit.memory.plan import scaled_predictor
 
     if calibration is not None:
         return lambda shape: calibration.estimate(shape).reserved
-    longest = BatchShape(1, plan.source_edges[-1], plan.label_edges[-1])
-    log.info("batch plan: no memory model; sizes scaled from two probes of %s", longest.describe(plan.task))
+    log.info("batch plan: no memory model; sizes scaled from two probes of %s", longest.describe(task))
     return scaled_predictor(measure(longest), measure(BatchShape(2, longest.source, longest.label)), budget)
+
+
+def _rows_at(predict: Any, cap: int, target: float) -> Any:
+    """The most rows (up to the cap) a causal micro-batch padded to a length may hold, as the plan sizes a cell."""
+    from memfit.data.audit import BatchShape
+    from memfit.memory.model import largest_fitting
+
+    return lambda length: largest_fitting(lambda rows: predict(BatchShape(rows, length, length)) <= target, cap)
 
 
 def plan_batches(ctx: RunContext, setup: TrainingSetup) -> WorstCase:
     """Size and prove the batch plan; a passing one is set on the collator. A plan that cannot hold some sample
     fails the preflight with one line (the sample's lengths and the nearest way out)."""
+    from memfit.data.audit import BatchShape, padded
     from memfit.memory.plan import PlanError, grid, prove
     from memfit.memory.preflight import PreflightReport
     from memfit.memory.probe import probe
@@ -124,16 +133,9 @@ def plan_batches(ctx: RunContext, setup: TrainingSetup) -> WorstCase:
     calibration = calibrate(ctx, setup, probes)  # budget batching calibrates on every device (calibration.wanted)
     start = time.perf_counter()
     source, label = _lengths(ctx)
-    plan = grid(
-        source,
-        label,
-        task=cfg.model.task,
-        buckets=cfg.trainer.length_buckets,
-        multiple=cfg.memory.pad_to_multiple_of,
-        limit_bytes=limit,
-        fill=cfg.trainer.micro_batch_fill,
-        cap=min(cfg.trainer.max_micro_batch or step_samples(cfg), step_samples(cfg)),
-    )
+    multiple, fill = cfg.memory.pad_to_multiple_of, cfg.trainer.micro_batch_fill
+    cap = min(cfg.trainer.max_micro_batch or step_samples(cfg), step_samples(cfg))
+    longest = BatchShape(1, padded(int(source.max(initial=1)), multiple), padded(int(label.max(initial=1)), multiple))
 
     report = PreflightReport(False, [], limit, budget, ctx.meter.label, cfg.model.task)
     report.budget_label = ctx.cap.judged_against
@@ -143,7 +145,18 @@ def plan_batches(ctx: RunContext, setup: TrainingSetup) -> WorstCase:
             show(advance=1, note=f"probing {shape.describe(cfg.model.task)}")
             return probe(probes, shape)[0]
 
-        predict = _predictor(calibration, plan, measure, budget)
+        predict = _predictor(calibration, longest, cfg.model.task, measure, budget)
+        plan = grid(
+            source,
+            label,
+            task=cfg.model.task,
+            buckets=cfg.trainer.length_buckets,
+            multiple=multiple,
+            limit_bytes=limit,
+            fill=fill,
+            cap=cap,
+            rows_at=_rows_at(predict, cap, fill * limit),
+        )
         try:
             prove(plan, predict, measure, budget)
         except PlanError as err:
