@@ -605,8 +605,15 @@ def test_sigterm_stops_a_sweep_recording_its_trial_interrupted_and_the_rerun_mea
     from tests.conftest import run_train_py, start_train_py, train_py_env
 
     recipe_batches = [a for a in SMALL_SWEEP if not a.startswith("trainer.batch_size")]  # sized in a forked job
-    # a trial long enough that SIGTERM lands while it trains (3 steps could end within the wait below, under load)
-    args = [*recipe_batches, *sweep_outputs(tmp_path), "hydra.sweeper.n_trials=1", "trainer.max_steps=100"]
+    # a trial long enough that SIGTERM lands while it trains: 200 steps, not the ~40 micro-batches a fixed-batch trial
+    # times by default (20 steps at a large batch took 1 s: a CI run's SIGTERM came after they ended)
+    args = [
+        *recipe_batches,
+        *sweep_outputs(tmp_path),
+        "hydra.sweeper.n_trials=1",
+        "trainer.max_steps=200",
+        "hydra.sweeper.segment_micro_batches=null",
+    ]
     name, storage = "memfit-tiny_seq2seq-aclsum-nobudget", f"sqlite:///{tmp_path}/optuna.db"
     errors = tmp_path / "sweeper.err"
     sweeper = start_train_py(args, tmp_path / "sweeper.out", train_py_env(), errors=errors)
