@@ -83,6 +83,18 @@ def test_a_binding_budget_gives_long_labels_small_micro_batches_short_ones_large
     assert roomy_dir  # both runs in one store
 
 
+def test_a_causal_plan_fits_its_edges_to_the_memory_model_one_cell_where_the_budget_is_roomy(
+    compose_cfg, long_tail_jsonl
+):
+    """A causal LM's edges are fitted (memfit.memory.edges): where every length allows the step's 16 rows, one cell
+    and one proof probe serve them all, where the data's quantiles would cut several."""
+    report = _budget_run(compose_cfg, long_tail_jsonl, "model=tiny_causal", "budget.gib=16", "preflight_only=true")
+    assert report.status == "ok", report.reason
+    plan = _plan(MlflowClient(default_tracking_uri(str(compose_cfg().output_dir))), report.run_id)
+    assert plan["task"] == "causal" and len(plan["source_edges"]) == 1 and len(plan["cells"]) == 1
+    assert plan["cells"][0]["batch"] == 16 and len(plan["measured"]) == 1
+
+
 def test_a_sample_that_does_not_fit_alone_stops_the_run_before_step_1_with_one_line(compose_cfg, long_tail_jsonl):
     report = _budget_run(compose_cfg, long_tail_jsonl, "budget.gib=0.3")  # less than the Python process itself
     assert report.status == "preflight_failed"

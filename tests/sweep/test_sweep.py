@@ -606,7 +606,7 @@ def test_sigterm_stops_a_sweep_recording_its_trial_interrupted_and_the_rerun_mea
 
     recipe_batches = [a for a in SMALL_SWEEP if not a.startswith("trainer.batch_size")]  # sized in a forked job
     # a trial long enough that SIGTERM lands while it trains: 200 steps, not the ~40 micro-batches a fixed-batch trial
-    # times by default (20 steps at a large batch took 1 s: a CI run's SIGTERM came after they ended)
+    # times by default (20 steps at a large batch: ~1 s)
     args = [
         *recipe_batches,
         *sweep_outputs(tmp_path),

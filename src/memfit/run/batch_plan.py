@@ -76,6 +76,7 @@ def _record(ctx: RunContext, plan: Any, micro: list[tuple[int, int, int]]) -> No
     ctx.tracker.log_text(table, "batch_plan/batch_plan.txt")
     ctx.tracker.set_tags({"memfit.effective_batch": ctx.cfg.trainer.effective_batch})
     record = {
+        "task": plan.task,
         "effective_batch": ctx.cfg.trainer.effective_batch,
         "limit_gib": plan.limit_bytes / GIB,
         "fill": plan.fill,

@@ -22,7 +22,7 @@ from memfit.run.batch_plan import plan_batches
 from memfit.run.context import RunContext, StartupClock, TrainingSetup, WorstCase
 from memfit.run.identity import find_resume_point, remember_run, run_name, run_tags
 from memfit.run.report import OutOfMemoryInTraining, RunReport, is_oom
-from memfit.run.signals import Stopped
+from memfit.run.signals import Stopped, raise_if_stopped
 from memfit.run.train_phase import prepare_training, train
 from memfit.run.worst_case import calibration_path, estimate, run_preflight
 
@@ -159,6 +159,7 @@ def _phases(ctx: RunContext) -> tuple[RunReport, WorstCase]:
     """Model and Trainer, then estimate, preflight and training, as the config asks."""
     cfg, worst = ctx.cfg, WorstCase()
     setup: TrainingSetup = prepare_training(ctx)
+    raise_if_stopped()  # a stop signal dropped while the model was built (signals._received)
     log.info("start-up: %s", ctx.clock.summary())
     ctx.tracker.log_metrics({f"startup/{phase}_s": seconds for phase, seconds in ctx.clock.seconds.items()}, step=0)
     if cfg.estimate_only:
@@ -168,6 +169,7 @@ def _phases(ctx: RunContext) -> tuple[RunReport, WorstCase]:
         ctx.clock.lap("preflight")
         if not worst.report.passed:
             return RunReport(status="preflight_failed", reason=worst.report.summary()), worst
+        raise_if_stopped()
     if cfg.preflight_only:
         return RunReport(status="ok", steps=0), worst
     report = train(ctx, setup)

@@ -10,8 +10,14 @@ import os
 import signal
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+# the stop signal that arrived, kept after its Stopped was raised: where the main thread was running a finaliser or a
+# weakref callback (garbage collection inside torch code, often), Python prints the exception ("Exception ignored in")
+# and drops it, and the run would train on to the end (seen in a CI run: the trial ended FINISHED after SIGTERM)
+_received: int | None = None
 
 
 class Stopped(KeyboardInterrupt):
@@ -33,19 +39,45 @@ def stop_on_signals() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    stopping = False
+    global _received
+    stopping, outer = False, _received
 
     def handler(signum: int, frame: object) -> None:
+        global _received
         nonlocal stopping
         if stopping:  # shutting down already (writing to MLflow, stopping trials): the user wants out now
             os._exit(128 + signum)
-        stopping = True
+        stopping, _received = True, signum
         raise Stopped(signum)
 
     previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
+    _received = None
     try:
         yield
     finally:
         if not stopping:  # once stopping, the handler stays: the rest of the shutdown exits at once on a second
             for sig, old in previous.items():
                 signal.signal(sig, old)
+            _received = outer
+
+
+def raise_if_stopped() -> None:
+    """Raise Stopped for a stop signal whose first Stopped was dropped (see _received): called at each training
+    micro-batch, so a dropped one still ends the run KILLED, at most one micro-batch later."""
+    if _received is not None:
+        raise Stopped(_received)
+
+
+def stop_check_callback() -> Any:
+    """A TrainerCallback that calls raise_if_stopped at every micro-batch and optimizer step (transformers is
+    imported only here)."""
+    from transformers import TrainerCallback
+
+    class StopCheck(TrainerCallback):
+        def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            raise_if_stopped()
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            raise_if_stopped()
+
+    return StopCheck()

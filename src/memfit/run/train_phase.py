@@ -19,6 +19,7 @@ def prepare_training(ctx: RunContext) -> TrainingSetup:
     from memfit.data import CountingCollator, model_columns
     from memfit.memory.policy import training_arguments
     from memfit.models import build_model
+    from memfit.run.signals import stop_check_callback
     from memfit.training import faults
     from memfit.training.trainer import build_trainer, make_callback
 
@@ -41,7 +42,7 @@ def prepare_training(ctx: RunContext) -> TrainingSetup:
     )
     collator = CountingCollator(ctx.tokenizer, cfg.memory.pad_to_multiple_of, cfg.model.task)
     callback = make_callback(ctx.meter, ctx.tracker, collator, cfg.trainer.max_train_tokens)
-    callbacks = [callback, *faults.callbacks_for(run_name(cfg)), *ctx.callbacks]
+    callbacks = [callback, stop_check_callback(), *faults.callbacks_for(run_name(cfg)), *ctx.callbacks]
     ready = {split: model_columns(ds) for split, ds in ctx.prepared.datasets.items()}
     args = training_arguments(cfg, ctx.device, str(checkpoint_dir(cfg)), has_eval="validation" in ready)
     trainer = build_trainer(
