@@ -90,29 +90,33 @@ def budget_epoch(
     """The epoch of trainer.batching=budget with trainer.effective_batch=tokens over a plan of `buckets` edges a
     length (0: no cells, each micro-batch sized at its own padded lengths: what finer cells tend to)."""
     from memfit.data.audit import BatchShape
-    from memfit.data.packing import step_micro_batches, token_steps
+    from memfit.data.packing import token_steps
     from memfit.memory.model import largest_fitting
     from memfit.memory.plan import grid, size
-    from memfit.training.throughput import EpochPlan
-
-    def rows_at(length: int) -> int:  # as memfit.run.batch_plan sizes a causal cell
-        return largest_fitting(lambda rows: predict(BatchShape(rows, length, length)) <= limit, cap)
+    from memfit.training.throughput import epoch_plan
 
     kwargs = dict(task=task, buckets=buckets, multiple=multiple, limit_bytes=limit, fill=1.0, cap=cap)
-    plan = grid(source, label, **kwargs, rows_at=None if quantiles else rows_at)
+    plan = grid(source, label, **kwargs, predict=None if quantiles else predict)
     size(plan, predict)
     capacity = plan.capacity
     if buckets == 0:  # no cells: each micro-batch as many rows as the model allows at its own padded lengths
 
         def capacity(s: int, lab: int) -> int:
-            return max((b for b in range(cap, 0, -1) if predict(BatchShape(b, s, lab)) <= limit), default=0)
+            return largest_fitting(lambda rows: predict(BatchShape(rows, s, lab)) <= limit, cap)
 
     counted = source if task == "causal" else label
     steps = token_steps(source, counted, step_samples=step, capacity=capacity, multiple=multiple, seed=42)
-    micro = step_micro_batches(source, label, steps, capacity, multiple)
-    padded_tokens = sum(rows * (s + (lab if task == "seq2seq" else 0)) for rows, s, lab in micro)
-    real = int(source.sum() + (label.sum() if task == "seq2seq" else 0))
-    epoch = EpochPlan(real, padded_tokens, len(micro), len({m for m in micro}))
+    epoch = epoch_plan(
+        source,
+        label,
+        batch=step,
+        accumulation=1,
+        multiple=multiple,
+        task=task,
+        group_by_length=False,
+        capacity=capacity,
+        steps=steps,
+    )
     return plan, epoch
 
 
@@ -183,21 +187,11 @@ def main() -> None:
     for buckets, how in ((b, h) for b in args.buckets for h in (edges if b else ["none"])):
         plan, e = budget(buckets=buckets, quantiles=how == "quantile")
         modelled = e.real_tokens / time_model.seconds(e.padded_tokens, e.micro_batches, 0)
-        line = {
-            "buckets": buckets,
-            "cells": len(plan.batches),
-            "proof_shapes": len(plan.proof_shapes()),
-            "micro_batches": e.micro_batches,
-            "real_per_micro_batch": e.real_tokens / e.micro_batches,
-            "padded_per_micro_batch": e.padded_tokens / e.micro_batches,
-            "modelled_tokens_per_s": modelled,
-            "modelled_x_a": modelled / a_modelled,
-        }
         print(
-            f"  c, {how} edges, length_buckets={buckets}: {line['cells']} cells, {line['proof_shapes']} proof shapes, "
-            f"{e.micro_batches} micro-batches, real {line['real_per_micro_batch']:,.0f} / padded "
-            f"{line['padded_per_micro_batch']:,.0f} tokens each; modelled {modelled:,.0f} tokens/s "
-            f"({line['modelled_x_a']:.2f}× a modelled)"
+            f"  c, {how} edges, length_buckets={buckets}: {len(plan.batches)} cells, {len(plan.proof_shapes())} proof "
+            f"shapes, {e.micro_batches} micro-batches, real {e.real_tokens / e.micro_batches:,.0f} / padded "
+            f"{e.padded_tokens / e.micro_batches:,.0f} tokens each; modelled {modelled:,.0f} tokens/s "
+            f"({modelled / a_modelled:.2f}× a modelled)"
         )
 
 

@@ -143,12 +143,12 @@ def test_causal_edges_are_fitted_to_need_fewer_micro_batches_than_quantiles_and_
     assert fitted is not None and len(fitted) <= 8 and fitted[-1] == padded(int(lengths.max()), 8)
     assert _expected_micro_batches(lengths, fitted) < 0.95 * _expected_micro_batches(lengths, quantile)
 
-    def causal_plan(rows_at):
+    def causal_plan(predict):
         return grid(
-            lengths, lengths, task="causal", buckets=8, multiple=8, limit_bytes=LIMIT, fill=1.0, cap=32, rows_at=rows_at
+            lengths, lengths, task="causal", buckets=8, multiple=8, limit_bytes=LIMIT, fill=1.0, cap=32, predict=predict
         )
 
-    plan = causal_plan(_rows_at)
+    plan = causal_plan(_predict)
     assert plan.source_edges == fitted and sum(plan.samples.values()) == len(lengths) and None not in plan.samples
     measured: list[BatchShape] = []
     prove(plan, _predict, _measuring(128 * 1024, measured), budget_bytes=4 * GIB)
@@ -174,7 +174,7 @@ def test_a_causal_sample_too_long_for_the_budget_keeps_its_one_line_error():
     lengths[7] = 30000
     assert fitted_edges(lengths, _rows_at, 8, 8) is None
     plan = grid(
-        lengths, lengths, task="causal", buckets=8, multiple=8, limit_bytes=LIMIT, fill=1.0, cap=32, rows_at=_rows_at
+        lengths, lengths, task="causal", buckets=8, multiple=8, limit_bytes=LIMIT, fill=1.0, cap=32, predict=_predict
     )
     with pytest.raises(PlanError) as err:
         prove(plan, _predict, _measuring(128 * 1024, []), 4 * GIB)

@@ -123,11 +123,18 @@ def grid(
     limit_bytes: int,
     fill: float,
     cap: int,
-    rows_at: Callable[[int], int] | None = None,
+    predict: Callable[[BatchShape], float] | None = None,
 ) -> BatchPlan:
     """The length grid over the samples' lengths (training and evaluation), with each cell's sample count. A causal
-    LM's edges are fitted to `rows_at` (the most rows a micro-batch of that padded length may hold) where given."""
-    fitted = fitted_edges(source, rows_at, buckets, multiple) if task == "causal" and rows_at else None
+    LM's edges are fitted to the memory model where `predict` is given: the rows each padded length allows, as
+    `size` sizes a cell."""
+    fitted = None
+    if task == "causal" and predict is not None:
+
+        def rows_at(length: int) -> int:
+            return largest_fitting(lambda rows: predict(BatchShape(rows, length, length)) <= fill * limit_bytes, cap)
+
+        fitted = fitted_edges(source, rows_at, buckets, multiple)
     source_edges = fitted or length_edges(source, buckets, multiple)
     label_edges = source_edges if task == "causal" else length_edges(label, buckets, multiple)
     plan = BatchPlan(task, source_edges, label_edges, multiple, limit_bytes, fill, cap, samples={})

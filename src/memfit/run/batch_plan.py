@@ -111,14 +111,6 @@ def _predictor(calibration: Any, longest: Any, task: str, measure: Any, budget: 
     return scaled_predictor(measure(longest), measure(BatchShape(2, longest.source, longest.label)), budget)
 
 
-def _rows_at(predict: Any, cap: int, target: float) -> Any:
-    """The most rows (up to the cap) a causal micro-batch padded to a length may hold, as the plan sizes a cell."""
-    from memfit.data.audit import BatchShape
-    from memfit.memory.model import largest_fitting
-
-    return lambda length: largest_fitting(lambda rows: predict(BatchShape(rows, length, length)) <= target, cap)
-
-
 def plan_batches(ctx: RunContext, setup: TrainingSetup) -> WorstCase:
     """Size and prove the batch plan; a passing one is set on the collator. A plan that cannot hold some sample
     fails the preflight with one line (the sample's lengths and the nearest way out)."""
@@ -134,8 +126,7 @@ def plan_batches(ctx: RunContext, setup: TrainingSetup) -> WorstCase:
     calibration = calibrate(ctx, setup, probes)  # budget batching calibrates on every device (calibration.wanted)
     start = time.perf_counter()
     source, label = _lengths(ctx)
-    multiple, fill = cfg.memory.pad_to_multiple_of, cfg.trainer.micro_batch_fill
-    cap = min(cfg.trainer.max_micro_batch or step_samples(cfg), step_samples(cfg))
+    multiple = cfg.memory.pad_to_multiple_of
     longest = BatchShape(1, padded(int(source.max(initial=1)), multiple), padded(int(label.max(initial=1)), multiple))
 
     report = PreflightReport(False, [], limit, budget, ctx.meter.label, cfg.model.task)
@@ -154,9 +145,9 @@ def plan_batches(ctx: RunContext, setup: TrainingSetup) -> WorstCase:
             buckets=cfg.trainer.length_buckets,
             multiple=multiple,
             limit_bytes=limit,
-            fill=fill,
-            cap=cap,
-            rows_at=_rows_at(predict, cap, fill * limit),
+            fill=cfg.trainer.micro_batch_fill,
+            cap=min(cfg.trainer.max_micro_batch or step_samples(cfg), step_samples(cfg)),
+            predict=predict,
         )
         try:
             prove(plan, predict, measure, budget)

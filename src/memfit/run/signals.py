@@ -62,14 +62,15 @@ def stop_on_signals() -> Iterator[None]:
 
 
 def raise_if_stopped() -> None:
-    """Raise Stopped for a stop signal whose first Stopped was dropped (see _received): called at each training
-    micro-batch, so a dropped one still ends the run KILLED, at most one micro-batch later."""
+    """Raise Stopped for a stop signal whose first Stopped was dropped (see _received): called after each of
+    Trainer's accumulation and optimizer steps and between the run's phases, so a dropped one still ends the run
+    KILLED, at most one step later."""
     if _received is not None:
         raise Stopped(_received)
 
 
 def stop_check_callback() -> Any:
-    """A TrainerCallback that calls raise_if_stopped at every micro-batch and optimizer step (transformers is
+    """A TrainerCallback that calls raise_if_stopped after every accumulation and optimizer step (transformers is
     imported only here)."""
     from transformers import TrainerCallback
 
