@@ -8,11 +8,12 @@ this machine: the same long-tail data (its model, sample count and data seed), t
 memory model read off the run's own plan table (a least-squares line of predicted GiB over the micro-batch's padded
 tokens, plus one per (source, label) for seq2seq), and the plan sized and packed by memfit's own functions for each
 `trainer.length_buckets` asked for: with the quantile edges the GPU run had and, for a causal LM, with the edges
-memfit now fits to the memory model (`memfit.memory.edges.fitted_edges`). It reports the plan's cells and proof
-shapes (the preflight's probes), the epoch's micro-batches and their real and padded tokens, and the tokens/s a
-step-time model predicts: seconds per micro-batch and per padded token fitted by least squares to the run's three
-arms (train phase seconds against their replayed epochs). The prediction is a model's, not a measurement: the GPU
-run of the chosen setting measures it.
+memfit now fits to the memory model (`memfit.memory.edges.fitted_edges`); `--pad-tolerance` adds the shipped edges
+at 8 buckets with micro-batches drawn among samples of like length (`trainer.pad_tolerance`). It reports the plan's
+cells and proof shapes (the preflight's probes), the epoch's micro-batches and their real and padded tokens, and the
+tokens/s a step-time model predicts: seconds per micro-batch and per padded token fitted by least squares to the
+run's three arms (train phase seconds against their replayed epochs). The prediction is a model's, not a
+measurement: the GPU run of the chosen setting measures it.
 """
 
 from __future__ import annotations
@@ -85,7 +86,18 @@ def fixed_epoch(source, label, run: dict, task: str, multiple: int | None, group
 
 
 def budget_epoch(
-    source, label, predict, *, task: str, buckets: int, limit: int, cap: int, step: int, multiple, quantiles=False
+    source,
+    label,
+    predict,
+    *,
+    task: str,
+    buckets: int,
+    limit: int,
+    cap: int,
+    step: int,
+    multiple,
+    quantiles=False,
+    tolerance=None,
 ):
     """The epoch of trainer.batching=budget with trainer.effective_batch=tokens over a plan of `buckets` edges a
     length (0: no cells, each micro-batch sized at its own padded lengths: what finer cells tend to)."""
@@ -105,7 +117,9 @@ def budget_epoch(
             return largest_fitting(lambda rows: predict(BatchShape(rows, s, lab)) <= limit, cap)
 
     counted = source if task == "causal" else label
-    steps = token_steps(source, counted, step_samples=step, capacity=capacity, multiple=multiple, seed=42)
+    steps = token_steps(
+        source, counted, step_samples=step, capacity=capacity, multiple=multiple, seed=42, tolerance=tolerance
+    )
     epoch = epoch_plan(
         source,
         label,
@@ -126,6 +140,7 @@ def main() -> None:
     parser.add_argument("--buckets", type=int, nargs="+", default=[8, 12, 16, 24, 32])
     parser.add_argument("--data-seed", type=int, help="replay on another data seed than the run's (held apart)")
     parser.add_argument("--work", default="/tmp/memfit-plan-fill")
+    parser.add_argument("--pad-tolerance", type=float, nargs="*", default=[], help="also replay trainer.pad_tolerance")
     args = parser.parse_args()
     result = json.loads(Path(args.result).read_text())
     budget_key = next(k for k in result if k.endswith("GiB"))
@@ -184,13 +199,16 @@ def main() -> None:
         )
     a_modelled = epochs["a"].real_tokens / time_model.seconds(epochs["a"].padded_tokens, epochs["a"].micro_batches, 0)
     edges = ["quantile", "fitted"] if task == "causal" else ["quantile"]
-    for buckets, how in ((b, h) for b in args.buckets for h in (edges if b else ["none"])):
-        plan, e = budget(buckets=buckets, quantiles=how == "quantile")
+    replays = [(b, h, None) for b in args.buckets for h in (edges if b else ["none"])]
+    replays += [(8, edges[-1], tolerance) for tolerance in args.pad_tolerance]
+    for buckets, how, tolerance in replays:
+        plan, e = budget(buckets=buckets, quantiles=how == "quantile", tolerance=tolerance)
         modelled = e.real_tokens / time_model.seconds(e.padded_tokens, e.micro_batches, 0)
         print(
-            f"  c, {how} edges, length_buckets={buckets}: {len(plan.batches)} cells, {len(plan.proof_shapes())} proof "
-            f"shapes, {e.micro_batches} micro-batches, real {e.real_tokens / e.micro_batches:,.0f} / padded "
-            f"{e.padded_tokens / e.micro_batches:,.0f} tokens each; modelled {modelled:,.0f} tokens/s "
+            f"  c, {how} edges, length_buckets={buckets}, pad_tolerance={tolerance}: {len(plan.batches)} cells, "
+            f"{len(plan.proof_shapes())} proof shapes, {e.micro_batches} micro-batches, real "
+            f"{e.real_tokens / e.micro_batches:,.0f} / padded {e.padded_tokens / e.micro_batches:,.0f} tokens each "
+            f"({e.padded_tokens / e.real_tokens:.2f}×); modelled {modelled:,.0f} tokens/s "
             f"({modelled / a_modelled:.2f}× a modelled)"
         )
 

@@ -5,8 +5,9 @@
 trainer.effective_batch=tokens packs micro-batches of like lengths and deals them into steps balanced in label
 tokens, so a step's samples are no longer a random draw and its sample count varies (docs/batching.md). This trains
 tiny_seq2seq (random weights) on a held-apart long-tail set (benchmarks/long_tail_gpu.build_dataset, data seed 3: 1%
-of targets 500-1,000 tokens), three epochs at 16 samples a step, three arms per training seed: fixed batches of 16,
-budget-shaped steps of 16 samples, budget-shaped steps counted in tokens; and records each run's final training and
+of targets 500-1,000 tokens), three epochs at 16 samples a step, four arms per training seed: fixed batches of 16,
+budget-shaped steps of 16 samples, budget-shaped steps counted in tokens, the same with trainer.pad_tolerance=0.1
+(micro-batches drawn among samples of like length); and records each run's final training and
 evaluation loss (per label token, on the same 10% validation split) and steps.
 """
 
@@ -26,6 +27,11 @@ ARMS = {
     "fixed": ["trainer.batching=fixed"],
     "budget_samples": ["trainer.batching=budget", "trainer.effective_batch=samples"],
     "budget_tokens": ["trainer.batching=budget", "trainer.effective_batch=tokens"],
+    "budget_tokens_pad_tolerance": [
+        "trainer.batching=budget",
+        "trainer.effective_batch=tokens",
+        "trainer.pad_tolerance=0.1",
+    ],
 }
 
 

@@ -140,6 +140,7 @@ BAD = [
     ),
     (["memory.layer_kernels=triton"], "memory.layer_kernels='triton' is not one of"),
     (["trainer.max_steps=0"], "trainer.max_steps/num_train_epochs give no training"),
+    (["trainer.pad_tolerance=0"], "trainer.pad_tolerance=0.0 must be > 0: use e.g. 0.1, or null for none"),
     (["data.targets=[summary]"], "data.targets has 'summary'"),
 ]
 

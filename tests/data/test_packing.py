@@ -10,6 +10,7 @@ from memfit.data.audit import padded
 from memfit.data.packing import (
     TokenStepSampler,
     balance,
+    band_width,
     epoch_micro_batches,
     epoch_order,
     pack,
@@ -64,6 +65,45 @@ def test_the_fewest_micro_batches_the_capacities_allow():
     assert sorted(i for g in groups for i in g) == list(range(5))
     assert sorted(len(g) for g in groups) == [1, 4]
     assert all(len(g) <= capacity(0, max(lengths[i][1] for i in g)) for g in groups)
+
+
+def _roomy(source: int, label: int) -> int:
+    return 16
+
+
+def _padding(lengths: list[tuple[int, int]], groups: list[list[int]]) -> float:
+    """The micro-batches' padded tokens over their samples' tokens."""
+    padded_tokens = sum(len(g) * (max(lengths[i][0] for i in g) + max(lengths[i][1] for i in g)) for g in groups)
+    return padded_tokens / sum(s + lab for s, lab in lengths)
+
+
+def test_with_a_pad_tolerance_shuffled_micro_batches_are_drawn_among_samples_of_like_length():
+    # one capacity for 640 samples of 16-1024 tokens: 16 random ones pad to near the longest of all
+    rng = np.random.default_rng(3)
+    lengths = [(int(s), 8) for s in rng.integers(16, 1024, 640)]
+    loose = pack(lengths, _roomy, multiple=None, shuffle=np.random.default_rng(0))
+    assert _padding(lengths, loose) > 1.6
+    draws = [pack(lengths, _roomy, None, np.random.default_rng(seed), tolerance=0.1) for seed in (0, 1)]
+    for groups in draws:
+        assert sorted(i for g in groups for i in g) == list(range(640))
+        assert _padding(lengths, groups) < 1.15  # the tolerance bounds the expected padding, not each draw's
+    assert {frozenset(g) for g in draws[0]}.isdisjoint(frozenset(g) for g in draws[1])  # new companions
+
+
+def test_a_pad_tolerance_keeps_draws_among_the_whole_capacity_where_they_pad_little():
+    rng = np.random.default_rng(4)
+    lengths = [(int(s), 8) for s in rng.integers(500, 540, 640)]
+    rank = {i: r for r, i in enumerate(sorted(range(640), key=lambda i: -lengths[i][0]))}
+    groups = pack(lengths, _roomy, None, np.random.default_rng(0), tolerance=0.1)
+    assert _padding(lengths, groups) < 1.1
+    assert np.mean([max(rank[i] for i in g) - min(rank[i] for i in g) for g in groups]) > 400  # from all 640
+
+
+def test_band_width_is_the_widest_whose_random_draws_pad_within_the_tolerance():
+    tokens = np.arange(1024, 0, -1)  # uniform lengths: one band's random draws of 16 pad to ~1.9x their tokens
+    width = band_width(tokens, 16, 0.1)
+    assert 16 < width < 1024 and 1024 % width == 0
+    assert band_width(tokens, 16, 0.1 * 2) >= width and band_width(np.full(300, 50), 16, 0.1) == 300
 
 
 def test_an_epoch_packs_each_sample_once_in_the_same_order_for_a_seed():
@@ -129,7 +169,7 @@ def test_balance_deals_every_micro_batch_once_into_nonempty_steps_of_near_equal_
 
 def test_token_steps_draw_new_micro_batches_each_epoch_on_a_set_within_one_window():
     # 200 samples: one window of 50 steps of 16. Sorted by length, the same micro-batches would repeat every epoch
-    # (73% of the pairs of samples sharing a step did so again the next epoch before pack(shuffled=True); now 7%)
+    # (74% of the pairs of samples sharing a step did so again the next epoch; drawn at random within a capacity, 7%)
     source, label = _long_tail(200, 4)
 
     def pairs(epoch: int) -> set[frozenset[int]]:

@@ -58,7 +58,8 @@ def test_a_binding_budget_gives_long_labels_small_micro_batches_short_ones_large
     longest = max(m["reserved_gib"] for m in first["measured"])
     budget = (short + longest) / 2  # between the short cells' peak and the long labels': it binds
 
-    report = _budget_run(compose_cfg, long_tail_jsonl, f"budget.gib={budget:.3f}", "trainer.max_steps=3")
+    shaped = [f"budget.gib={budget:.3f}", "trainer.max_steps=3", "trainer.pad_tolerance=0.1"]
+    report = _budget_run(compose_cfg, long_tail_jsonl, *shaped)
     assert report.status == "ok" and report.steps == 3, report.reason
     run_id = report.run_id
     plan = _plan(client, run_id)
@@ -76,6 +77,7 @@ def test_a_binding_budget_gives_long_labels_small_micro_batches_short_ones_large
     assert [m.step for m in sizes] == [1, 2, 3] and all(m.value >= 1 for m in sizes)
     assert all(m.value >= 1 for m in micro)
     assert recorded.data.tags["memfit.effective_batch"] == "tokens" and plan["effective_batch"] == "tokens"
+    assert plan["pad_tolerance"] == 0.1  # micro-batches drawn among samples of like length
     samples = client.get_metric_history(run_id, "train/samples")  # a step's samples: its label tokens held constant
     assert [m.step for m in samples] == [1, 2, 3] and all(m.value >= 1 for m in samples)
     table = Path(client.download_artifacts(run_id, "batch_plan/batch_plan.txt")).read_text()

@@ -136,6 +136,8 @@ def _validate_batching(cfg: DictConfig, problems: list[str]) -> None:
     if not 0 < t.micro_batch_fill <= 1:
         problems.append(f"trainer.micro_batch_fill={t.micro_batch_fill} must be in (0, 1]: use 1.0 or e.g. 0.9")
     _positive(problems, "trainer.max_micro_batch", t.max_micro_batch, "use a positive row count or null")
+    if t.pad_tolerance is not None and not t.pad_tolerance > 0:
+        problems.append(f"trainer.pad_tolerance={t.pad_tolerance} must be > 0: use e.g. 0.1, or null for none")
     if t.length_buckets < 1:
         problems.append(f"trainer.length_buckets={t.length_buckets} must be >= 1: use e.g. 6")
     if t.batching != "budget":

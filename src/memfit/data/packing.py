@@ -9,6 +9,7 @@ samples' lengths, so the collator, the epoch's throughput plan and the tests all
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -34,7 +35,11 @@ MICRO_BATCH_COST = 16384
 
 
 def pack(
-    lengths: Sequence[tuple[int, int]], capacity: Capacity, multiple: int | None, shuffled: bool = False
+    lengths: Sequence[tuple[int, int]],
+    capacity: Capacity,
+    multiple: int | None,
+    shuffle: np.random.Generator | None = None,
+    tolerance: float | None = None,
 ) -> list[list[int]]:
     """The step's samples (their (source, label) lengths) as micro-batches of indices into `lengths`.
 
@@ -43,17 +48,22 @@ def pack(
     plus its padded tokens (rows × longest source and label), no micro-batch holding more rows than the capacity of
     its own padded shape. So a step trains in as few micro-batches as the plan allows, and long samples share them
     with long ones. A sample that fits no micro-batch even alone (capacity 0) raises: the batch plan never allows one.
-    `shuffled`: the samples come in a random order, kept within each capacity (no longest first), so micro-batches
-    are random draws among samples the plan allows as many rows, not the same length-sorted neighbours every epoch
-    (more padding: +6% padded tokens over the GPU benchmark's epoch, token_steps' only caller).
+    `shuffle` (token_steps, the only caller, shuffles the samples before): within a capacity the samples keep their
+    shuffled order, so micro-batches are new draws every epoch, not the same length-sorted neighbours; with a
+    `tolerance` (trainer.pad_tolerance) they are shuffled by `shuffle` within the fewest bands of like length whose
+    random micro-batches pad at most that share of their tokens (`band_width`).
     """
     size = [(padded(source, multiple), padded(label, multiple)) for source, label in lengths]
     allowed = functools.lru_cache(maxsize=None)(capacity)
-    longest_first = (lambda i: 0) if shuffled else (lambda i: -sum(lengths[i]))
-    order = sorted(range(len(lengths)), key=lambda i: (allowed(*size[i]), longest_first(i), i))
-    for i in order:
+    for i, (source, label) in enumerate(lengths):
         if allowed(*size[i]) < 1:
-            raise ValueError(f"no micro-batch fits a sample of source {lengths[i][0]} × label {lengths[i][1]} tokens")
+            raise ValueError(f"no micro-batch fits a sample of source {source} × label {label} tokens")
+    order = sorted(range(len(lengths)), key=lambda i: (allowed(*size[i]), -sum(lengths[i]), i))
+    if shuffle is not None and tolerance is None:  # the samples come shuffled: keep their order within a capacity
+        order = sorted(order, key=lambda i: (allowed(*size[i]), i))
+    elif shuffle is not None:
+        tokens = [sum(size[i]) for i in order]
+        order = _shuffled_in_bands(order, [allowed(*size[i]) for i in order], tokens, shuffle, tolerance)
     # best[k]: the least cost of packing order[:k]; cut[k]: where its last micro-batch starts
     best, cut = [0.0] + [float("inf")] * len(order), [0] * (len(order) + 1)
     for start in range(len(order)):
@@ -71,6 +81,52 @@ def pack(
         groups.append(order[cut[end] : end])
         end = cut[end]
     return groups[::-1]
+
+
+def _shuffled_in_bands(
+    order: list[int], capacities: list[int], tokens: list[int], rng: np.random.Generator, tolerance: float
+) -> list[int]:
+    """`order` (most constrained, then longest first) with each capacity's samples shuffled in the fewest bands
+    whose random micro-batches pad within `tolerance` (`band_width`), the first band's width drawn at random.
+    `tokens`: each sample's padded tokens (source + label), in `order`."""
+    key = dict(zip(order, rng.random(len(order)), strict=True))
+    band_of: dict[int, tuple[int, int]] = {}
+    start = 0
+    for rows, run in itertools.groupby(capacities):
+        count = len(list(run))
+        width = band_width(np.asarray(tokens[start : start + count]), rows, tolerance)
+        offset = int(rng.integers(width)) if width < count else 0  # one band: all of the capacity
+        for rank, i in enumerate(order[start : start + count]):
+            band_of[i] = (rows, (rank + offset) // width)
+        start += count
+    return sorted(order, key=lambda i: (band_of[i], key[i]))
+
+
+def band_width(tokens: np.ndarray, rows: int, tolerance: float) -> int:
+    """How many consecutive samples of `tokens` (sorted longest first, all allowed `rows` a micro-batch) one band
+    holds: the widest, of the fewest bands (halved until they do), whose micro-batches of `rows` random draws each
+    pad their samples by at most `tolerance` of their tokens (expected padding, each padded to its longest draw)."""
+    count, total = len(tokens), float(tokens.sum())
+    bands = 1
+    while True:
+        width = math.ceil(count / bands)
+        padded = sum(
+            len(band) * _expected_longest(band, min(rows, len(band)))
+            for band in np.split(tokens, range(width, count, width))
+        )
+        if padded <= (1 + tolerance) * total or width <= rows:
+            return width
+        bands *= 2
+
+
+def _expected_longest(tokens: np.ndarray, draws: int) -> float:
+    """The expected longest of `draws` samples drawn without replacement from `tokens` (sorted longest first): the
+    j-th is the longest of the draw with probability C(n-1-j, draws-1) / C(n, draws)."""
+    n = len(tokens)
+    after = np.arange(1, n)
+    step = np.maximum(n - draws - after + 1, 0) / (n - after)  # P(j-th longest) / P((j-1)-th)
+    chance = draws / n * np.concatenate(([1.0], np.cumprod(step)))
+    return float(np.dot(chance, tokens))
 
 
 class MicroBatches(list):
@@ -150,17 +206,19 @@ def token_steps(
     capacity: Capacity,
     multiple: int | None,
     seed: int | Sequence[int],
+    tolerance: float | None = None,
 ) -> list[list[int]]:
     """One epoch of trainer.effective_batch=tokens as optimizer steps (sample indices each).
 
     The samples are shuffled with `seed` and packed, TOKEN_STEP_WINDOW steps' samples at a time, into micro-batches
-    as full as the plan allows, each a random draw among samples of like capacity (`pack(shuffled=True)`: on a set
+    as full as the plan allows, each a random draw among samples of like capacity (`pack(shuffle=rng)`: on a set
     that fits in one window, length-sorted micro-batches would repeat every epoch, which trained to a higher eval
     loss, benchmarks/README.md); the micro-batches are dealt into as many steps as fixed batches of `step_samples`
     take (ceil(samples / step_samples)), balanced in label tokens (`balance`), and the steps are shuffled. So a step
     holds about the label tokens of `step_samples` average samples, and no micro-batch is cut short to end a step
     at a sample count; a micro-batch that alone holds more than a step's share (long labels) is a step of its own.
-    `label`: the tokens a step counts (a causal LM's whole sequence).
+    `label`: the tokens a step counts (a causal LM's whole sequence). `tolerance` (trainer.pad_tolerance): draw each
+    micro-batch among samples of like length too, where drawing among all of a capacity would pad more than that.
     """
     count = len(source)
     rng = np.random.default_rng(seed)
@@ -170,7 +228,7 @@ def token_steps(
     for start in range(0, count, window):
         rows = order[start : start + window]
         lengths = [(int(source[i]), int(label[i])) for i in rows]
-        micro += [[int(rows[i]) for i in group] for group in pack(lengths, capacity, multiple, shuffled=True)]
+        micro += [[int(rows[i]) for i in group] for group in pack(lengths, capacity, multiple, rng, tolerance)]
     micro = [micro[i] for i in rng.permutation(len(micro))]
     steps = balance([int(np.sum(label[m])) for m in micro], math.ceil(count / step_samples))
     return [[i for j in steps[k] for i in micro[j]] for k in rng.permutation(len(steps))]
@@ -207,9 +265,11 @@ class TokenStepSampler:
         capacity: Capacity,
         multiple: int | None,
         seed: int,
+        tolerance: float | None = None,
     ):
         self.source, self.label, self.step_samples = source, label, step_samples
         self.capacity, self.multiple, self.seed, self.epoch = capacity, multiple, seed, 0
+        self.tolerance = tolerance
         self._drawn: tuple[int, list[list[int]]] | None = None  # the last epoch drawn: the plan table's is training's
 
     def set_epoch(self, epoch: int) -> None:
@@ -225,6 +285,7 @@ class TokenStepSampler:
                 capacity=self.capacity,
                 multiple=self.multiple,
                 seed=(self.seed, self.epoch),
+                tolerance=self.tolerance,
             )
             self._drawn = (self.epoch, steps)
         return self._drawn[1]

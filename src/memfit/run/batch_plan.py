@@ -63,7 +63,13 @@ def _step_sampler(cfg: Any, dataset: Any, plan: Any) -> Any:
     )
     multiple = cfg.memory.pad_to_multiple_of
     return TokenStepSampler(
-        source, label, step_samples=step_samples(cfg), capacity=plan.capacity, multiple=multiple, seed=cfg.trainer.seed
+        source,
+        label,
+        step_samples=step_samples(cfg),
+        capacity=plan.capacity,
+        multiple=multiple,
+        seed=cfg.trainer.seed,
+        tolerance=cfg.trainer.pad_tolerance,
     )
 
 
@@ -78,6 +84,7 @@ def _record(ctx: RunContext, plan: Any, micro: list[tuple[int, int, int]]) -> No
     record = {
         "task": plan.task,
         "effective_batch": ctx.cfg.trainer.effective_batch,
+        "pad_tolerance": ctx.cfg.trainer.pad_tolerance,
         "limit_gib": plan.limit_bytes / GIB,
         "fill": plan.fill,
         "cap": plan.cap,
