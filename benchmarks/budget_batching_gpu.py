@@ -13,6 +13,9 @@ memory=balanced, lengths up to 1024/1024, eval off, under the budget enforced by
   (c at b's step) the same, at the samples per optimizer step that (b)'s whole batches round up to (`--c-at-b-step`):
       (b) at batch 15 takes ceil(32 / 15) = 3 micro-batches, 45 samples a step, so fewer optimizer updates an epoch.
 Each arm is a fresh `python train.py` (tracking off); its report.json gives tokens/s, peaks, coverage and retries.
+`--rounds N` trains (a), (b) and (c) N times, each round starting one arm later (abc, bca, cab, ...), so a drift in
+the machine's speed within a call reaches every arm; the JSON keeps round 1 under the arm's name and the others as
+`<arm>_round<k>`, and the summary prints each round's ratios and the ratio of the medians.
 The searches of (a) and (b) measure memory only (no timing), so they run side by side, each under its own cap.
 """
 
@@ -55,23 +58,27 @@ def run_budget(common: list[str], work: Path, budget: float, args: argparse.Name
     """The three arms at one budget, each recorded into `out` as soon as it ends."""
     here = [*common, f"budget.gib={budget}"]
     shaped = ["trainer.batching=budget", *fixed(args.effective, args.effective)]
+    worst: dict = {}
+    typical: dict = {}
+    cut = [f"memory.max_label_length={args.cut}"]
     if args.arms == "abc":
         search = ["preflight_only=true", "trainer.batch_size=1", f"preflight.max_batch_limit={args.effective}"]
-        cut = [f"memory.max_label_length={args.cut}"]
         # the two searches measure memory only, each in its own process under its own cap: run them side by side
         with ThreadPoolExecutor(2) as pool:
             full = pool.submit(train_py, [*here, *search], work / f"{budget}_a_search")
             short = pool.submit(train_py, [*here, *cut, *search], work / f"{budget}_b_search")
             out["a_search"], out["b_search"] = worst, typical = full.result(), short.result()
-        if worst.get("max_batch"):
-            out["a_fixed_full_labels"] = train_py(
-                [*here, *fixed(worst["max_batch"], args.effective)], work / f"{budget}_a"
-            )
-        if typical.get("max_batch"):
-            out["b_fixed_cut_labels"] = train_py(
-                [*here, *cut, *fixed(typical["max_batch"], args.effective)], work / f"{budget}_b"
-            )
-    out["c_budget"] = train_py([*here, *shaped], work / f"{budget}_c")
+    arms = {}
+    if args.arms == "abc" and worst.get("max_batch"):
+        arms["a_fixed_full_labels"] = [*here, *fixed(worst["max_batch"], args.effective)]
+    if args.arms == "abc" and typical.get("max_batch"):
+        arms["b_fixed_cut_labels"] = [*here, *cut, *fixed(typical["max_batch"], args.effective)]
+    arms["c_budget"] = [*here, *shaped]
+    names = list(arms)
+    for round_ in range(args.rounds):  # each round starts one arm later: a drift in the machine's speed meets each
+        for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+            key = name if round_ == 0 else f"{name}_round{round_ + 1}"
+            out[key] = train_py(arms[name], work / (f"{budget}_{name[0]}" + (f"_{round_ + 1}" if round_ else "")))
     if args.c_samples:
         by_samples = [*shaped, "trainer.effective_batch=samples"]
         out["c_budget_samples"] = train_py([*here, *by_samples], work / f"{budget}_c_samples")
@@ -99,6 +106,7 @@ def main() -> None:
     parser.add_argument("--c-at-b-step", action="store_true", help="(c) again at (b)'s samples per optimizer step")
     parser.add_argument("--c-samples", action="store_true", help="(c) again with steps of exactly --effective samples")
     parser.add_argument("--set", nargs="*", default=[], help="more overrides for every arm")
+    parser.add_argument("--rounds", type=int, default=1, help="train the arms this many times, each round rotated")
     args = parser.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -140,7 +148,24 @@ def summary(results: dict) -> str:
                 f"peak alloc {r.get('peak_allocated_gib')} reserved {r.get('peak_reserved_gib')} "
                 f"retries {r.get('alloc_retries')} micro {r.get('mean_micro_batch')} steps {r.get('steps')}"
             )
+        lines += round_ratios(arms)
     return "\n".join(lines)
+
+
+def round_ratios(arms: dict) -> list[str]:
+    """With --rounds: each round's (c) over (a) and over (b), and the ratio of the arms' medians."""
+    import statistics
+
+    def speeds(arm: str) -> list[float]:
+        keys = [arm, *sorted(k for k in arms if k.startswith(f"{arm}_round"))]
+        return [arms[k]["tokens_per_s"] for k in keys if arms.get(k, {}).get("tokens_per_s")]
+
+    a, b, c = speeds("a_fixed_full_labels"), speeds("b_fixed_cut_labels"), speeds("c_budget")
+    if len(c) < 2 or not (a and b):
+        return []
+    pairs = [f"{x / y:.2f}×/{x / z:.2f}×" for x, y, z in zip(c, a, b, strict=False)]
+    medians = statistics.median(c) / statistics.median(a), statistics.median(c) / statistics.median(b)
+    return [f"  rounds, (c) over (a)/(b): {', '.join(pairs)}; medians {medians[0]:.2f}×/{medians[1]:.2f}×"]
 
 
 if __name__ == "__main__":
