@@ -130,9 +130,10 @@ def refit(paths: list[str], rows_as_probes: list[str] | None = None) -> dict:
             probes = calibration["probes"] + [_as_probe(row) for row in group["rows"] if row["shape"] in borrowed]
             # before run 16: the first four probes, and T5 without its cross-attention term
             four_arch = arch if branches else replace(arch, relative_position_bias=False)
-            fits = {"four": (fit_peak(four_arch, probes[:4], branches), four_arch)}
+            checkpointed = group["gradient_checkpointing"]
+            fits = {"four": (fit_peak(four_arch, probes[:4], checkpointed), four_arch)}
             with contextlib.suppress(ValueError):  # four probes cannot fit T5's five terms
-                fits["now"] = (fit_peak(arch, probes, branches), arch)
+                fits["now"] = (fit_peak(arch, probes, checkpointed), arch)
             entry = {
                 "model": group["model"],
                 "checkpointing": group["gradient_checkpointing"],

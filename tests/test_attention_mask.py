@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from memfit.attention_mask import share_attention_mask
-from memfit.memory.model import describe_architecture, mask_copies
+from memfit.memory.model import describe_architecture
+from memfit.memory.savings import mask_copies
 from memfit.models import build_model, build_tokenizer
 
 
@@ -67,7 +68,7 @@ def test_a_padded_batch_keeps_one_mask_for_every_layer_with_the_same_gradients(
     assert per_layer and all(copies >= 2 for copies in per_layer.values())  # a copy per layer (2 or more here)
     assert shared == {key: 1 for key in per_layer}  # the same masks, in the queries' dtype, one tensor each
     assert {key[1] for key in shared} == {dtype}  # made in autocast's dtype: no cast per layer either
-    # estimate_only's and the preflight's estimate of the saving (memory.model.mask_copies): what was saved
+    # estimate_only's and the preflight's estimate of the saving (memory.savings.mask_copies): what was saved
     assert predicted == kept - kept_shared > 0
     assert shared_loss == pytest.approx(loss, abs=tolerance)
     for name, grad in grads.items():

@@ -11,7 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 from memfit import lora_dropout, models
-from memfit.memory.model import dropped_copies
+from memfit.memory.savings import dropped_copies
 from memfit.memory.state import weight_bytes
 from memfit.models import build_model, build_tokenizer
 

@@ -445,3 +445,43 @@ def test_estimate_only_says_what_a_shared_attention_mask_would_save(compose_cfg,
     assert f"memory.shared_attention_mask=true would hold ~{saving / 2**20:.1f} MiB less at this batch" in out
     out, _, _ = _estimate_only_at_the_long_tail(*causal, "memory.shared_attention_mask=true")
     assert "memory.shared_attention_mask=true would hold" not in out  # already shared
+
+
+def _probes(peak, arch: Architecture) -> list[dict]:
+    """calibration_shapes' causal probes (three token counts) with peaks from `peak(tokens)`."""
+    return [
+        {"batch": s.batch, "source": s.source, "label": s.label, "allocated": peak(s.batch * s.source)}
+        | {"reserved": 1.1 * peak(s.batch * s.source), "step_allocated": 1.0, "step_reserved": 1.0}
+        for s in calibration_shapes(arch, 16384)
+    ]
+
+
+def test_a_checkpointed_causal_lm_peaks_in_the_larger_of_two_lines_in_tokens():
+    # qwen2_5_0_5b, chunked head, checkpointing (run 16): +52 KB a token up to 8,192 tokens, +111 KB beyond; one
+    # line through the probes at 4,096, 8,192 and 16,384 tokens reads the rows between 4k and 8k 4% high
+    arch = Architecture("causal", 151936, 0, 24, 14, quadratic_attention=False)
+
+    def convex(tokens: int) -> float:  # the two lines meet at the middle probes' 8,192 tokens
+        return 2.0e9 + 52e3 * tokens + max(59e3 * (tokens - 8192), 0)
+
+    probes = _probes(convex, arch)
+    two = fit_peak(arch, probes, checkpointed=True)
+    assert set(two.windows) == {"backward", "backward_at_more_tokens"}
+    for tokens in (5120, 7168, 12288, 20480):  # between the probes, and past the most
+        assert two.allocated(1, tokens, tokens, arch) == pytest.approx(convex(tokens), rel=1e-6)
+    one = fit_peak(arch, probes, checkpointed=False)  # without checkpointing: one line, as before
+    assert set(one.windows) == {"backward"} and one.allocated(1, 7168, 7168, arch) > 1.02 * convex(7168)
+    assert Calibration.from_json(_calibration_of(probes, arch, two).to_json()).fit == two  # cached and read back
+
+
+def test_one_line_where_the_peaks_are_a_line_or_bend_the_other_way():
+    arch = Architecture("causal", 151936, 0, 24, 14, quadratic_attention=False)
+    linear = fit_peak(arch, _probes(lambda t: 2.0e9 + 60e3 * t, arch), checkpointed=True)
+    concave = fit_peak(arch, _probes(lambda t: min(2.0e9 + 90e3 * t, 2.4e9 + 40e3 * t), arch), checkpointed=True)
+    assert set(linear.windows) == {"backward"} and set(concave.windows) == {"backward"}
+
+
+def _calibration_of(probes: list[dict], arch: Architecture, fit) -> Calibration:
+    from memfit.memory.state import ModelStateBytes
+
+    return Calibration("k", {}, arch, ModelStateBytes(1, 0, 0), fit, probes)

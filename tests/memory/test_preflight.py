@@ -354,9 +354,9 @@ def _ways_at_qwen_shape(**knobs) -> list[str]:
     from memfit.config import GIB
     from memfit.data.audit import BatchShape
     from memfit.memory.meter import MemoryPeak
-    from memfit.memory.model import Architecture, DroppedCopies
+    from memfit.memory.model import Architecture
     from memfit.memory.preflight import Probe, suggest
-    from memfit.memory.savings import knob_savings
+    from memfit.memory.savings import DroppedCopies, knob_savings
 
     memory = SimpleNamespace(
         gradient_checkpointing=True,

@@ -33,7 +33,9 @@ from memfit.memory.model import (
     FittedPeak,
     LinearFit,
     PeakEstimate,
+    convex_in_tokens,
     estimate_peak,
+    fit_convex_in_tokens,
     fit_terms,
     largest_batch,
     logits_bytes,
@@ -44,10 +46,9 @@ from memfit.memory.state import ModelStateBytes
 
 log = logging.getLogger(__name__)
 
-FORMAT = 10  # bump when what a calibration file holds or how it is fitted changes: old files are then not reused
-# 7: probe batches carry a padding mask (preflight.make_batch), which holds more memory than none; 8: fused AdamW
-# on CUDA; 9: the probe runs the forward as accelerate wraps it for training (16-bit outputs copied to float32);
-# 10: six probes, to the most tokens, and T5's cross-attention scores as a term
+FORMAT = 11  # bump when what a calibration file holds or how it is fitted changes: old files are then not reused
+# 7: probe batches carry a padding mask; 8: fused AdamW on CUDA; 9: the forward as accelerate wraps it for training;
+# 10: six probes, to the most tokens, T5's cross-attention scores; 11: two lines in tokens, checkpointed causal LMs
 # the memory knobs that change what a step holds for a given shape (their Knob.step; lengths and padding do not)
 POLICY_KNOBS = tuple(name for name, knob in memory_knobs().items() if knob.step)
 
@@ -264,17 +265,20 @@ def _measure(
     return measured
 
 
-def _fit_windows(arch: Architecture, measured: list[dict[str, Any]], branches: bool) -> dict[str, LinearFit]:
-    """One fit per window of the step (memory.model.WINDOW_TERMS where it splits), T5's position biases counted."""
+def _fit_windows(arch: Architecture, measured: list[dict[str, Any]], checkpointed: bool) -> dict[str, LinearFit]:
+    """One fit per window of the step (memory.model.WINDOW_TERMS where it splits), T5's position biases counted;
+    two lines in tokens where the step's peak is convex in them (memory.model.convex_in_tokens)."""
 
     def fit(window: str, peak: str) -> LinearFit:
-        terms = window_terms(window)
-        rows = [terms(m["batch"], m["source"], m["label"], arch) for m in measured]
+        rows = [window_terms(window)(m["batch"], m["source"], m["label"], arch) for m in measured]
         return fit_terms(rows, [m[peak] for m in measured], COUNTED_TERMS)
 
-    if not branches:
-        return {"backward": fit("backward", "allocated")}
-    return {window: fit(window, f"{window}_allocated") for window in WINDOW_TERMS}
+    if splits_branches(arch, checkpointed):
+        return {window: fit(window, f"{window}_allocated") for window in WINDOW_TERMS}
+    if convex_in_tokens(arch, checkpointed):
+        terms = [window_terms("backward")(m["batch"], m["source"], m["label"], arch) for m in measured]
+        return fit_convex_in_tokens(terms, [m["allocated"] for m in measured])
+    return {"backward": fit("backward", "allocated")}
 
 
 def _fit_reserved(arch: Architecture, measured: list[dict[str, Any]]) -> tuple[float, float]:
@@ -295,11 +299,12 @@ def _fit_reserved(arch: Architecture, measured: list[dict[str, Any]]) -> tuple[f
     return fitted["allocated"], fitted["logits"]
 
 
-def fit_peak(arch: Architecture, measured: list[dict[str, Any]], branches: bool = False) -> FittedPeak:
+def fit_peak(arch: Architecture, measured: list[dict[str, Any]], checkpointed: bool = False) -> FittedPeak:
     """The memory model fitted from measured probes (a Calibration's `probes`: each shape with its peaks, and each
-    window's where the step splits): a fit per window, the optimizer step's peak (the same for every shape: the
-    largest seen) and the allocator's reserved overhead. Raises ValueError where the probes cannot fit the terms."""
-    windows = _fit_windows(arch, measured, branches)
+    window's where the step splits) of a step with or without gradient checkpointing: a fit per window, the
+    optimizer step's peak (the same for every shape: the largest seen) and the allocator's reserved overhead.
+    Raises ValueError where the probes cannot fit the terms."""
+    windows = _fit_windows(arch, measured, checkpointed)
     return FittedPeak(windows, max(m["step_allocated"] for m in measured), *_fit_reserved(arch, measured))
 
 
@@ -380,7 +385,7 @@ def _fit_and_cache(
         )
         return None
     try:
-        fit = fit_peak(arch, measured, branches)
+        fit = fit_peak(arch, measured, cfg.memory.gradient_checkpointing)
     except (ValueError, IndexError) as err:
         log.warning(
             "memory model: not calibrated (%s): set calibration.probe_tokens lower than %d so the probes fit",

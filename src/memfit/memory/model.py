@@ -5,6 +5,7 @@ probes on the device (memory.calibration runs them), and the peak it predicts on
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -188,6 +189,14 @@ def encoder_backward_terms(batch: int, source: int, label: int, arch: Architectu
     return _window_terms(batch, source, label, arch, ("encoder_tokens", "encoder_scores"), (2, 0, 0))
 
 
+def convex_in_tokens(arch: Architecture, gradient_checkpointing: bool) -> bool:
+    """Whether a step's peak is the larger of two lines in tokens rather than one (fit_convex_in_tokens): a causal LM
+    under gradient checkpointing keeps only checkpoints between layers, and peaks either where the head and loss run
+    or where one layer is recomputed, whose memory grows faster with the tokens. One line through probes of both
+    read qwen2_5_0_5b's rows between them up to 4.3% high (run 16, benchmarks/README.md)."""
+    return gradient_checkpointing and arch.task == "causal" and not arch.quadratic_attention
+
+
 Terms = Callable[[int, int, int, Architecture], dict[str, float]]
 
 # The windows of a step that splits (preflight._BranchMarker measures each apart), in the order they run: each is
@@ -201,12 +210,17 @@ WINDOW_TERMS: dict[str, Terms] = {
     "decoder_backward": decoder_backward_terms,
     "encoder_backward": encoder_backward_terms,
 }
+# the second line of a step convex in tokens (convex_in_tokens): the one fitted to the probes of the most tokens
+MORE_TOKENS = "backward_at_more_tokens"
+# two lines replace one only where they fit the probes closer by more than this share of their mean peak (a tenth
+# of the memory model's 1% goal): probes on one line with noise keep one line
+CONVEX_GAIN = 0.001
 # the windows in which the float32 logits exist (for the breakdown)
-LOGITS_WINDOWS = ("backward", "head_forward", "head_backward")
+LOGITS_WINDOWS = ("backward", MORE_TOKENS, "head_forward", "head_backward")
 
 
 def window_terms(window: str) -> Terms:
-    return shape_terms if window == "backward" else WINDOW_TERMS[window]
+    return shape_terms if window in ("backward", MORE_TOKENS) else WINDOW_TERMS[window]
 
 
 @dataclass(frozen=True)
@@ -239,6 +253,35 @@ def fit_terms(rows: list[dict[str, float]], peaks: list[float], fixed: dict[str,
     solution, *_ = np.linalg.lstsq(design / scale, np.asarray(peaks, dtype=np.float64), rcond=None)
     fitted = {name: float(value / s) for name, value, s in zip(names, solution, scale, strict=True)}
     return LinearFit({**fitted, **fixed})
+
+
+def fit_convex_in_tokens(rows: list[dict[str, float]], peaks: list[float]) -> dict[str, LinearFit]:
+    """Peaks as the larger of two lines in tokens (shape_terms without attention scores): the probes at fewer
+    tokens fit "backward", those at more MORE_TOKENS, the two sharing the probes at the token count where they
+    meet. The split with the least error is kept where the second line is the steeper (a convex peak) and it
+    lowers the root-mean-square error by more than CONVEX_GAIN of the mean peak; else one line over all probes."""
+    import numpy as np
+
+    def squared_error(fits: list[LinearFit]) -> float:
+        return sum((max(f.predict(row) for f in fits) - peak) ** 2 for row, peak in zip(rows, peaks, strict=True))
+
+    def rms(error: float) -> float:
+        return math.sqrt(error / len(peaks))
+
+    def fit(low: float, high: float) -> LinearFit:
+        chosen = [(row, peak) for row, peak in zip(rows, peaks, strict=True) if low <= row["tokens"] <= high]
+        return fit_terms([row for row, _ in chosen], [peak for _, peak in chosen])
+
+    one = fit(-np.inf, np.inf)
+    best, error = {"backward": one}, squared_error([one])
+    enough = rms(error) - CONVEX_GAIN * sum(peaks) / len(peaks)
+    levels = sorted({row["tokens"] for row in rows})
+    for meet in levels[1:-1]:
+        fewer, more = fit(levels[0], meet), fit(meet, levels[-1])
+        split = squared_error([fewer, more])
+        if more.coefficients["tokens"] > fewer.coefficients["tokens"] and split < error and rms(split) < enough:
+            best, error = {"backward": fewer, MORE_TOKENS: more}, split
+    return best
 
 
 @dataclass(frozen=True)
@@ -338,62 +381,3 @@ def largest_fitting(fits: Callable[[int], bool], upper: int) -> int:
         middle = (low + high + 1) // 2
         low, high = (middle, high) if fits(middle) else (low, middle - 1)
     return low
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# What memory.recompute_lora_dropout would save (memfit.lora_dropout): peft's LoRA dropout keeps a dropped copy of
-# its input per adapter, where the recomputing one keeps each input once for the adapters that read it.
-
-
-def _product_element(precision: str) -> int:
-    """Bytes of one element a product makes: 2 under bf16 or fp16 autocast, else 4."""
-    return 2 if precision in ("bf16", "fp16") else 4
-
-
-@dataclass(frozen=True)
-class DroppedCopies:
-    """Input features, summed, of the dropped copies a LoRA model with peft's own dropout keeps beyond one per input.
-    Adapters under one parent module with one input width are taken to read one input (q, k and v; gate and up);
-    a few do not (an attention's o, a seq2seq cross-attention's q), so this is an estimate: qwen2_5_1_5b LoRA at
-    4 × 2048 in bf16, 2.63 GiB against the 2.94 GiB measured on an H200 (benchmarks/README.md, session 26)."""
-
-    source_width: int  # a seq2seq encoder's adapters: their inputs are source-long
-    target_width: int  # the rest: a decoder's (a causal model's every adapter, over its whole sequence)
-
-    def bytes(self, batch: int, source: int, label: int, task: str, precision: str) -> int:
-        """At a batch shape: each copy is in the product's dtype (bf16 or fp16 under autocast, else fp32)."""
-        target = source if task == "causal" else label
-        return batch * (self.source_width * source + self.target_width * target) * _product_element(precision)
-
-
-def dropped_copies(model: Any) -> DroppedCopies:
-    """The DroppedCopies of a built model's LoRA adapters that run peft's dropout (p > 0); zero for any other."""
-    groups: dict[tuple[str, int], int] = {}
-    for name, module in model.named_modules():
-        dropouts = getattr(module, "lora_dropout", None)
-        if dropouts is None or not hasattr(module, "in_features"):
-            continue
-        if any(getattr(dropout, "p", 0) > 0 for dropout in dropouts.values()):
-            key = (name.rsplit(".", 1)[0], module.in_features)
-            groups[key] = groups.get(key, 0) + 1
-    source = sum((n - 1) * width for (parent, width), n in groups.items() if ".encoder." in f".{parent}.")
-    target = sum((n - 1) * width for (parent, width), n in groups.items() if ".encoder." not in f".{parent}.")
-    return DroppedCopies(source, target)
-
-
-def mask_copies(batch: int, source: int, label: int, arch: Architecture, precision: str) -> int:
-    """Bytes of the attention-mask copies kept beyond one where every layer converts a padded batch's boolean mask
-    (memory.shared_attention_mask=false): each layer's batch × queries × keys copy in the queries' dtype (bf16 or
-    fp16 under autocast, else fp32), but one; a causal model's self-attention, a seq2seq encoder's self-attention and
-    its decoder's cross-attention (the decoder's own is causal and unpadded: no mask). Zero where attention is not
-    SDPA's (eager keeps its scores; T5's position biases carry the mask)."""
-    if arch.quadratic_attention:
-        return 0
-    element = _product_element(precision)
-
-    def copies(layers: int, queries: int, keys: int) -> int:
-        return max(layers - 1, 0) * batch * queries * keys * element
-
-    if arch.task == "causal":
-        return copies(arch.decoder_layers, source, source)
-    return copies(arch.encoder_layers, source, source) + copies(arch.decoder_layers, label, source)

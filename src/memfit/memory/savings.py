@@ -7,7 +7,64 @@ from dataclasses import dataclass
 from typing import Any
 
 from memfit.data.audit import BatchShape
-from memfit.memory.model import Architecture, DroppedCopies, logits_bytes, mask_copies
+from memfit.memory.model import Architecture, logits_bytes
+
+# What memory.recompute_lora_dropout would save (memfit.lora_dropout): peft's LoRA dropout keeps a dropped copy of
+# its input per adapter, where the recomputing one keeps each input once for the adapters that read it.
+
+
+def _product_element(precision: str) -> int:
+    """Bytes of one element a product makes: 2 under bf16 or fp16 autocast, else 4."""
+    return 2 if precision in ("bf16", "fp16") else 4
+
+
+@dataclass(frozen=True)
+class DroppedCopies:
+    """Input features, summed, of the dropped copies a LoRA model with peft's own dropout keeps beyond one per input.
+    Adapters under one parent module with one input width are taken to read one input (q, k and v; gate and up);
+    a few do not (an attention's o, a seq2seq cross-attention's q), so this is an estimate: qwen2_5_1_5b LoRA at
+    4 × 2048 in bf16, 2.63 GiB against the 2.94 GiB measured on an H200 (benchmarks/README.md, session 26)."""
+
+    source_width: int  # a seq2seq encoder's adapters: their inputs are source-long
+    target_width: int  # the rest: a decoder's (a causal model's every adapter, over its whole sequence)
+
+    def bytes(self, batch: int, source: int, label: int, task: str, precision: str) -> int:
+        """At a batch shape: each copy is in the product's dtype (bf16 or fp16 under autocast, else fp32)."""
+        target = source if task == "causal" else label
+        return batch * (self.source_width * source + self.target_width * target) * _product_element(precision)
+
+
+def dropped_copies(model: Any) -> DroppedCopies:
+    """The DroppedCopies of a built model's LoRA adapters that run peft's dropout (p > 0); zero for any other."""
+    groups: dict[tuple[str, int], int] = {}
+    for name, module in model.named_modules():
+        dropouts = getattr(module, "lora_dropout", None)
+        if dropouts is None or not hasattr(module, "in_features"):
+            continue
+        if any(getattr(dropout, "p", 0) > 0 for dropout in dropouts.values()):
+            key = (name.rsplit(".", 1)[0], module.in_features)
+            groups[key] = groups.get(key, 0) + 1
+    source = sum((n - 1) * width for (parent, width), n in groups.items() if ".encoder." in f".{parent}.")
+    target = sum((n - 1) * width for (parent, width), n in groups.items() if ".encoder." not in f".{parent}.")
+    return DroppedCopies(source, target)
+
+
+def mask_copies(batch: int, source: int, label: int, arch: Architecture, precision: str) -> int:
+    """Bytes of the attention-mask copies kept beyond one where every layer converts a padded batch's boolean mask
+    (memory.shared_attention_mask=false): each layer's batch × queries × keys copy in the queries' dtype (bf16 or
+    fp16 under autocast, else fp32), but one; a causal model's self-attention, a seq2seq encoder's self-attention and
+    its decoder's cross-attention (the decoder's own is causal and unpadded: no mask). Zero where attention is not
+    SDPA's (eager keeps its scores; T5's position biases carry the mask)."""
+    if arch.quadratic_attention:
+        return 0
+    element = _product_element(precision)
+
+    def copies(layers: int, queries: int, keys: int) -> int:
+        return max(layers - 1, 0) * batch * queries * keys * element
+
+    if arch.task == "causal":
+        return copies(arch.decoder_layers, source, source)
+    return copies(arch.encoder_layers, source, source) + copies(arch.decoder_layers, label, source)
 
 
 @dataclass(frozen=True)

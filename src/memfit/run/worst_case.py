@@ -233,8 +233,8 @@ def _cap_note(largest: int | None, upper: int, samples: int) -> str | None:
 def _knob_savings(ctx: RunContext, model: Any) -> Callable[[Any], dict[str, int]]:
     """What each memory knob the policy leaves off would hold less at a batch shape, for estimate_only's lines and
     the preflight's ways out alike (memory.savings)."""
-    from memfit.memory.model import describe_architecture, dropped_copies
-    from memfit.memory.savings import knob_savings
+    from memfit.memory.model import describe_architecture
+    from memfit.memory.savings import dropped_copies, knob_savings
 
     arch, copies = describe_architecture(model, ctx.cfg.model.task), dropped_copies(model)
     return lambda shape: knob_savings(ctx.cfg.memory, arch, copies, shape)
