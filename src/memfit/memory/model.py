@@ -191,9 +191,10 @@ def encoder_backward_terms(batch: int, source: int, label: int, arch: Architectu
 
 def convex_in_tokens(arch: Architecture, gradient_checkpointing: bool) -> bool:
     """Whether a step's peak is the larger of two lines in tokens rather than one (fit_convex_in_tokens): a causal LM
-    under gradient checkpointing keeps only checkpoints between layers, and peaks either where the head and loss run
-    or where one layer is recomputed, whose memory grows faster with the tokens. One line through probes of both
-    read qwen2_5_0_5b's rows between them up to 4.3% high (run 16, benchmarks/README.md)."""
+    under gradient checkpointing keeps only checkpoints between layers, and its probes' peaks grow faster past a
+    point (the head's loss window, then one layer's recomputation, the slopes suggest; not measured window by
+    window). One line through both read qwen2_5_0_5b's rows between them up to 4.3% high (run 16,
+    benchmarks/README.md)."""
     return gradient_checkpointing and arch.task == "causal" and not arch.quadratic_attention
 
 
