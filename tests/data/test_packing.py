@@ -178,3 +178,20 @@ def test_token_steps_draw_new_micro_batches_each_epoch_on_a_set_within_one_windo
 
     first = pairs(0)
     assert len(first & pairs(1)) < 0.2 * len(first)
+
+
+def test_token_steps_with_a_pad_tolerance_pad_less_and_still_see_each_sample_once():
+    rng = np.random.default_rng(5)
+    source, label = rng.integers(16, 1024, 800), rng.integers(4, 40, 800)  # one capacity spans short and long
+
+    def capacity(source: int, label: int) -> int:
+        return 32
+
+    def padded_tokens(tolerance: float | None) -> int:
+        steps = token_steps(
+            source, label, step_samples=32, capacity=capacity, multiple=8, seed=(1, 0), tolerance=tolerance
+        )
+        assert sorted(i for step in steps for i in step) == list(range(800)) and len(steps) == 25
+        return sum(rows * (s + lab) for rows, s, lab in step_micro_batches(source, label, steps, capacity, 8))
+
+    assert padded_tokens(0.1) < 0.75 * padded_tokens(None)
