@@ -204,9 +204,7 @@ class TrainerConfig:
     max_micro_batch: int | None = None  # budget batching: the most rows in one micro-batch (null: the step's samples)
     length_buckets: int = 8  # budget batching: cell edges per length (source, label) of the batch plan's grid
     effective_batch: str = "tokens"  # budget batching: what a step holds about constant: tokens | samples
-    pad_tolerance: float | None = (
-        None  # budget batching, tokens: micro-batches drawn among like lengths past this padding
-    )
+    pad_tolerance: float | None = None  # budget batching, tokens: draw micro-batches among like lengths (padding)
 
 
 @dataclass

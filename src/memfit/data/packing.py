@@ -58,10 +58,9 @@ def pack(
     for i, (source, label) in enumerate(lengths):
         if allowed(*size[i]) < 1:
             raise ValueError(f"no micro-batch fits a sample of source {source} × label {label} tokens")
-    order = sorted(range(len(lengths)), key=lambda i: (allowed(*size[i]), -sum(lengths[i]), i))
-    if shuffle is not None and tolerance is None:  # the samples come shuffled: keep their order within a capacity
-        order = sorted(order, key=lambda i: (allowed(*size[i]), i))
-    elif shuffle is not None:
+    longest_first = shuffle is None or tolerance is not None  # else the samples keep their shuffled order
+    order = sorted(range(len(lengths)), key=lambda i: (allowed(*size[i]), -sum(lengths[i]) if longest_first else 0, i))
+    if shuffle is not None and tolerance is not None:  # bands are cut from the length order
         tokens = [sum(size[i]) for i in order]
         order = _shuffled_in_bands(order, [allowed(*size[i]) for i in order], tokens, shuffle, tolerance)
     # best[k]: the least cost of packing order[:k]; cut[k]: where its last micro-batch starts

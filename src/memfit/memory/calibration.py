@@ -269,16 +269,15 @@ def _fit_windows(arch: Architecture, measured: list[dict[str, Any]], checkpointe
     """One fit per window of the step (memory.model.WINDOW_TERMS where it splits), T5's position biases counted;
     two lines in tokens where the step's peak is convex in them (memory.model.convex_in_tokens)."""
 
-    def fit(window: str, peak: str) -> LinearFit:
-        rows = [window_terms(window)(m["batch"], m["source"], m["label"], arch) for m in measured]
-        return fit_terms(rows, [m[peak] for m in measured], COUNTED_TERMS)
+    def rows(window: str) -> list[dict[str, float]]:
+        return [window_terms(window)(m["batch"], m["source"], m["label"], arch) for m in measured]
 
     if splits_branches(arch, checkpointed):
-        return {window: fit(window, f"{window}_allocated") for window in WINDOW_TERMS}
+        return {w: fit_terms(rows(w), [m[f"{w}_allocated"] for m in measured], COUNTED_TERMS) for w in WINDOW_TERMS}
+    peaks = [m["allocated"] for m in measured]
     if convex_in_tokens(arch, checkpointed):
-        terms = [window_terms("backward")(m["batch"], m["source"], m["label"], arch) for m in measured]
-        return fit_convex_in_tokens(terms, [m["allocated"] for m in measured])
-    return {"backward": fit("backward", "allocated")}
+        return fit_convex_in_tokens(rows("backward"), peaks)
+    return {"backward": fit_terms(rows("backward"), peaks, COUNTED_TERMS)}
 
 
 def _fit_reserved(arch: Architecture, measured: list[dict[str, Any]]) -> tuple[float, float]:

@@ -261,7 +261,6 @@ def fit_convex_in_tokens(rows: list[dict[str, float]], peaks: list[float]) -> di
     tokens fit "backward", those at more MORE_TOKENS, the two sharing the probes at the token count where they
     meet. The split with the least error is kept where the second line is the steeper (a convex peak) and it
     lowers the root-mean-square error by more than CONVEX_GAIN of the mean peak; else one line over all probes."""
-    import numpy as np
 
     def squared_error(fits: list[LinearFit]) -> float:
         return sum((max(f.predict(row) for f in fits) - peak) ** 2 for row, peak in zip(rows, peaks, strict=True))
@@ -273,7 +272,7 @@ def fit_convex_in_tokens(rows: list[dict[str, float]], peaks: list[float]) -> di
         chosen = [(row, peak) for row, peak in zip(rows, peaks, strict=True) if low <= row["tokens"] <= high]
         return fit_terms([row for row, _ in chosen], [peak for _, peak in chosen])
 
-    one = fit(-np.inf, np.inf)
+    one = fit(-math.inf, math.inf)
     best, error = {"backward": one}, squared_error([one])
     enough = rms(error) - CONVEX_GAIN * sum(peaks) / len(peaks)
     levels = sorted({row["tokens"] for row in rows})
