@@ -159,7 +159,17 @@ RUN17_SHAPES = {
     "qwen2_5_0_5b": [(1, 2816, 2816), (3, 1536, 1536), (4, 1536, 1536), (7, 960, 960), (11, 832, 832), (26, 448, 448)],
     "qwen2_5_1_5b": [(1, 3328, 3328), (2, 2944, 2944), (5, 1216, 1216), (10, 704, 704), (20, 480, 480)],
 }
-HELD_APART = {"run15": RUN15_SHAPES, "run16": RUN16_SHAPES, "run17": RUN17_SHAPES}
+
+# run 18 (prepared in session 35): shapes no earlier run measured or probed, to judge the six token counts of a
+# checkpointed causal LM's probes and the window-by-window fit of checkpointed Pegasus and BART (few labels included)
+RUN18_SHAPES = {
+    "pegasus_large": [(3, 832, 96), (5, 640, 224), (10, 512, 128), (18, 320, 160), (2, 960, 768), (7, 448, 384)],
+    "bart_large": [(4, 896, 96), (9, 576, 288), (20, 320, 160), (2, 704, 960)],
+    "t5_base": [(2, 2048, 192), (5, 1408, 352), (10, 896, 224), (20, 512, 112), (1, 1280, 2560)],
+    "qwen2_5_0_5b": [(1, 4352, 4352), (2, 2432, 2432), (6, 1088, 1088), (13, 704, 704), (30, 416, 416)],
+    "qwen2_5_1_5b": [(1, 4864, 4864), (4, 1152, 1152), (7, 960, 960), (14, 544, 544), (24, 448, 448)],
+}
+HELD_APART = {"run15": RUN15_SHAPES, "run16": RUN16_SHAPES, "run17": RUN17_SHAPES, "run18": RUN18_SHAPES}
 
 
 def compose(overrides: list[str]):

@@ -5,6 +5,9 @@ held-apart rows.
 
     python benchmarks/memory_model_refit.py benchmarks/results/memory_model_run16_chunked.json
 
+Where a checkpointed seq2seq model's probes were measured window by window (Pegasus and BART since session 35),
+"whole" also fits them as one sum over the step, as before, and scores it on the same rows.
+
 Results from before run 16 hold four probes; `--rows-as-probes` lends the "now" fit some of a group's measured rows
 as probes (both fits are then scored on the other rows), which is how session 31 read run 15's misses:
 
@@ -100,6 +103,14 @@ def _as_probe(row: dict) -> dict:
     }
 
 
+WHOLE_STEP = ("batch", "source", "label", "allocated", "reserved", "step_allocated", "step_reserved")
+
+
+def _whole_step(probe: dict) -> dict:
+    """A probe without its windows' peaks, so it fits as one sum over the step (as before windows, session 35)."""
+    return {key: probe[key] for key in WHOLE_STEP}
+
+
 def _lent(spec: list[str]) -> dict[tuple[str, bool], list[list[int]]]:
     """--rows-as-probes MODEL:on|off:BxSxL[,BxSxL] into {(model, checkpointing): [shapes]}."""
     lent = {}
@@ -114,7 +125,7 @@ def refit(paths: list[str], rows_as_probes: list[str] | None = None) -> dict:
     from memfit.memory.model import Architecture
 
     lent = _lent(rows_as_probes or [])
-    scored = {name: {"allocated": [], "reserved": [], "reserved_excess": []} for name in ("now", "four")}
+    scored = {name: {"allocated": [], "reserved": [], "reserved_excess": []} for name in ("now", "four", "whole")}
     groups = []
     for path in paths:
         for group in json.loads(Path(path).read_text())["groups"]:
@@ -134,6 +145,8 @@ def refit(paths: list[str], rows_as_probes: list[str] | None = None) -> dict:
             fits = {"four": (fit_peak(four_arch, probes[:4], checkpointed), four_arch)}
             with contextlib.suppress(ValueError):  # four probes cannot fit T5's five terms
                 fits["now"] = (fit_peak(arch, probes, checkpointed), arch)
+            if branches and not arch.relative_position_bias:  # windows against one fit of the same probes' whole step
+                fits["whole"] = (fit_peak(arch, [_whole_step(p) for p in probes], checkpointed), arch)
             entry = {
                 "model": group["model"],
                 "checkpointing": group["gradient_checkpointing"],
@@ -159,7 +172,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "src"))
     result = refit(args.results, args.rows_as_probes)
     for group in result["groups"]:
-        fits = [_describe(name, group[name]) for name in ("now", "four") if name in group]
+        fits = [_describe(name, group[name]) for name in ("now", "four", "whole") if name in group]
         head = f"{group['model']:<14} ckpt={group['checkpointing']!s:<5} {group['loss']:<8} {group['probes']} probes"
         print(head, " | ".join(fits))
     print(json.dumps({"rows": result["rows"], **result["totals"]}, indent=1))

@@ -16,14 +16,13 @@ from memfit.memory.calibration import (
     cached,
     calibrate,
     calibration_key,
-    calibration_shapes,
     fit_peak,
     identity,
-    probe_plan,
     wanted,
 )
 from memfit.memory.model import COUNTED_TERMS, WINDOW_TERMS, Architecture, describe_architecture
 from memfit.memory.probe import _BranchMarker, probe
+from memfit.memory.probe_shapes import calibration_shapes, probe_plan
 from memfit.memory.state import model_state_bytes
 from tests.conftest import FAST
 from tests.memory.test_preflight import _setup
@@ -56,6 +55,17 @@ def test_calibration_probes_once_then_comes_from_the_cache(compose_cfg, tmp_path
     assert cached(cfg, "cpu").key == first.key
     shape = probed[-1]
     assert second.estimate(shape) == first.estimate(shape)
+
+
+def test_a_checkpointed_causal_lm_probes_six_token_counts(compose_cfg, tmp_path):
+    cfg = compose_cfg(
+        *TINY, "model=tiny_causal", "memory.gradient_checkpointing=true", f"calibration.cache_dir={tmp_path}/cal"
+    )
+    probed: list = []
+    calibration = _calibrate(cfg, probed)
+    multiple, positions = cfg.memory.pad_to_multiple_of, cfg.model.max_positions
+    assert probed == calibration_shapes(calibration.architecture, 512, multiple, 4, positions, convex=True)
+    assert len({shape.batch * shape.source for shape in probed}) == 6  # two lines in tokens, each over two or more
 
 
 def test_a_damaged_cache_file_is_fitted_again(compose_cfg, tmp_path):
@@ -159,6 +169,21 @@ def test_t5_under_checkpointing_is_calibrated_window_by_window(compose_cfg, tmp_
     assert again.estimate(shape) == fitted.estimate(shape)
     phases = {window.replace("_", " ") for window in WINDOW_TERMS} | {"optimizer step"}
     assert fitted.estimate(shape).phase in phases
+
+
+def test_a_bart_like_model_under_checkpointing_is_calibrated_window_by_window_from_six_shapes(compose_cfg, tmp_path):
+    """tiny_seq2seq (sdpa: no scores kept) probes the six shapes, each measured in six windows; no window has a
+    scores term."""
+    cfg = compose_cfg(*TINY, "memory.gradient_checkpointing=true", f"calibration.cache_dir={tmp_path}/cal")
+    probed: list = []
+    fitted = _calibrate(cfg, probed)
+    arch = fitted.architecture
+    assert not arch.quadratic_attention and probed == calibration_shapes(arch, 512, 8, 4, branches=True)
+    assert len(probed) == 6 and probed == calibration_shapes(arch, 512, 8, 4)  # the six, measured by window
+    for p in fitted.probes:
+        assert max(p[f"{window}_allocated"] for window in _BranchMarker.WINDOWS) == p["allocated"]
+    assert list(fitted.fit.windows) == list(WINDOW_TERMS)
+    assert not any(name.endswith("_scores") for w in fitted.fit.windows.values() for name in w.coefficients)
 
 
 def test_when_to_calibrate_and_how_large_the_probes_are(compose_cfg):
@@ -447,12 +472,12 @@ def test_estimate_only_says_what_a_shared_attention_mask_would_save(compose_cfg,
     assert "memory.shared_attention_mask=true would hold" not in out  # already shared
 
 
-def _probes(peak, arch: Architecture) -> list[dict]:
-    """calibration_shapes' causal probes (three token counts) with peaks from `peak(tokens)`."""
+def _probes(peak, arch: Architecture, convex: bool = True) -> list[dict]:
+    """calibration_shapes' causal probes (six token counts; three without `convex`) with peaks from `peak(tokens)`."""
     return [
         {"batch": s.batch, "source": s.source, "label": s.label, "allocated": peak(s.batch * s.source)}
         | {"reserved": 1.1 * peak(s.batch * s.source), "step_allocated": 1.0, "step_reserved": 1.0}
-        for s in calibration_shapes(arch, 16384)
+        for s in calibration_shapes(arch, 16384, convex=convex)
     ]
 
 
@@ -469,9 +494,25 @@ def test_a_checkpointed_causal_lm_peaks_in_the_larger_of_two_lines_in_tokens():
     assert set(two.windows) == {"backward", "backward_at_more_tokens"}
     for tokens in (5120, 7168, 12288, 20480):  # between the probes, and past the most
         assert two.allocated(1, tokens, tokens, arch) == pytest.approx(convex(tokens), rel=1e-6)
-    one = fit_peak(arch, probes, checkpointed=False)  # without checkpointing: one line, as before
+    one = fit_peak(arch, _probes(convex, arch, convex=False), checkpointed=False)  # without: one line, as before
     assert set(one.windows) == {"backward"} and one.allocated(1, 7168, 7168, arch) > 1.02 * convex(7168)
     assert Calibration.from_json(_calibration_of(probes, arch, two).to_json()).fit == two  # cached and read back
+
+
+def test_two_lines_in_tokens_wherever_they_meet_between_the_probes():
+    # qwen2_5_0_5b's kink in run 17 lay at ~10.7k tokens, between probes: six token counts put two on each side
+    arch = Architecture("causal", 151936, 0, 24, 14, quadratic_attention=False)
+
+    def convex(tokens: int) -> float:
+        return 2.0e9 + max(52e3 * tokens, 150e3 * tokens - 1.05e9)
+
+    levels = sorted({p["batch"] * p["source"] for p in _probes(convex, arch)})
+    assert len(levels) == 6 and levels[0] == 16384 // 4 and levels[-1] == 16384
+    two = fit_peak(arch, _probes(convex, arch), checkpointed=True)
+    for tokens in (5120, 9152, 11648, 14336, 20480):
+        assert two.allocated(1, tokens, tokens, arch) == pytest.approx(convex(tokens), rel=1e-6)
+    three_counts = fit_peak(arch, _probes(convex, arch, convex=False), checkpointed=True)
+    assert three_counts.allocated(1, 11648, 11648, arch) > 1.03 * convex(11648)  # the kink on the wrong side
 
 
 def test_one_line_where_the_peaks_are_a_line_or_bend_the_other_way():

@@ -111,7 +111,7 @@ CAUSAL = Architecture("causal", 151936, 0, 28, 12, quadratic_attention=False)
 
 @pytest.mark.parametrize("arch", [SEQ2SEQ, T5_LIKE, EAGER, CAUSAL], ids=["seq2seq", "t5-like", "eager", "causal"])
 def test_the_fit_recovers_known_coefficients_from_the_calibration_shapes(arch):
-    from memfit.memory.calibration import calibration_shapes
+    from memfit.memory.probe_shapes import calibration_shapes
 
     truth = {
         "constant": 9.7e9,
@@ -202,16 +202,45 @@ def _windowed_fit() -> FittedPeak:
     return FittedPeak(windows, 3.5e9, 1.08, reserved_per_logits_byte=1.1)
 
 
-def test_only_t5_under_checkpointing_splits_into_windows():
-    assert splits_branches(T5_LIKE, True) and not splits_branches(EAGER, True)  # measured for T5 only
-    assert not splits_branches(T5_LIKE, False) and not splits_branches(SEQ2SEQ, True)
+def test_seq2seq_under_checkpointing_splits_into_windows_unless_eager_attention_keeps_its_scores():
+    assert splits_branches(T5_LIKE, True) and splits_branches(SEQ2SEQ, True) and not splits_branches(EAGER, True)
+    assert not splits_branches(T5_LIKE, False) and not splits_branches(SEQ2SEQ, False)
     assert not splits_branches(Architecture("causal", 100, 0, 2, 2, quadratic_attention=True), True)
+
+
+def test_windows_without_kept_scores_are_fitted_from_the_six_shapes():
+    """Pegasus/BART (sdpa): no window has a scores term, so the six shapes recover each window's two or three, and
+    the step peaks where the forward's end holds more than the head's backward at few label tokens."""
+    from memfit.memory.calibration import fit_peak
+    from memfit.memory.probe_shapes import calibration_shapes
+
+    shapes = calibration_shapes(SEQ2SEQ, 4096, batch_scale=4, branches=True)
+    assert len(shapes) == 6
+    truth = {w: {k: v for k, v in terms.items() if not k.endswith("_scores")} for w, terms in WINDOW_TRUTH.items()}
+    truth["head_forward"] = {"constant": 5.0e9, "encoder_tokens": 3.0e4, "decoder_tokens": 1.0e5}
+    measured = [
+        {"batch": s.batch, "source": s.source, "label": s.label, "step_allocated": 1.0}
+        | {
+            f"{w}_allocated": LinearFit(t).predict(WINDOW_TERMS[w](s.batch, s.source, s.label, SEQ2SEQ))
+            for w, t in truth.items()
+        }
+        for s in shapes
+    ]
+    for m in measured:
+        m["allocated"] = max(m[f"{w}_allocated"] for w in truth)
+        m["reserved"] = 1.1 * m["allocated"]
+    fit = fit_peak(SEQ2SEQ, measured, checkpointed=True)
+    for window, terms in truth.items():
+        assert fit.windows[window].coefficients == pytest.approx(terms, rel=1e-6)
+    few_labels, many = (4, 960, 32), (16, 512, 512)
+    assert fit.backward_peak(*few_labels, SEQ2SEQ)[0] == "head_forward"
+    assert fit.backward_peak(*many, SEQ2SEQ)[0] == "head_backward"
 
 
 def test_each_window_fit_recovers_known_coefficients_from_the_branch_shapes():
     """Four probes, each measured in six windows: every window's three or four free terms are recovered, the
     position biases counted rather than fitted."""
-    from memfit.memory.calibration import calibration_shapes
+    from memfit.memory.probe_shapes import calibration_shapes
 
     shapes = calibration_shapes(T5_LIKE, 4096, batch_scale=4, branches=True)
     counted = COUNTED_TERMS

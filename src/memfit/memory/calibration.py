@@ -1,7 +1,7 @@
 """Calibration of the memory model's per-token part: six cheap probes on the device (four for T5's windows), at
 least one per fitted term, fitted by least squares, cached per (model architecture, memory policy, device, library
 versions) so a sweep pays it once.
-Where a step peaks in one of six windows (memory.model.splits_branches: T5 under gradient checkpointing), each
+Where a step peaks in one of six windows (memory.model.splits_branches: seq2seq under gradient checkpointing), each
 probe measures the stacks' and the head's forward and backward apart, and each window is fitted alone.
 
 A probe is the preflight's own measurement (forward, backward and optimizer steps on a batch of exactly that
@@ -42,13 +42,15 @@ from memfit.memory.model import (
     splits_branches,
     window_terms,
 )
+from memfit.memory.probe_shapes import calibration_shapes, probe_plan
 from memfit.memory.state import ModelStateBytes
 
 log = logging.getLogger(__name__)
 
-FORMAT = 11  # bump when what a calibration file holds or how it is fitted changes: old files are then not reused
+FORMAT = 12  # bump when what a calibration file holds or how it is fitted changes: old files are then not reused
 # 7: probe batches carry a padding mask; 8: fused AdamW on CUDA; 9: the forward as accelerate wraps it for training;
-# 10: six probes, to the most tokens, T5's cross-attention scores; 11: two lines in tokens, checkpointed causal LMs
+# 10: six probes, to the most tokens, T5's cross-attention scores; 11: two lines in tokens, checkpointed causal LMs;
+# 12: their probes at six token counts, and every checkpointed seq2seq model fitted window by window
 # the memory knobs that change what a step holds for a given shape (their Knob.step; lengths and padding do not)
 POLICY_KNOBS = tuple(name for name, knob in memory_knobs().items() if knob.step)
 
@@ -58,69 +60,6 @@ def wanted(calibration: DictConfig, device: str, batching: str = "fixed") -> boo
     budget-shaped batches need the memory model to size their plan; true always."""
     setting = str(calibration.enabled).lower()
     return setting == "true" or (setting == "auto" and (device == "cuda" or batching == "budget"))
-
-
-def calibration_shapes(
-    arch: Architecture,
-    tokens: int,
-    multiple: int | None = None,
-    batch_scale: int = 1,
-    max_positions: int | None = None,
-    branches: bool = False,
-) -> list[BatchShape]:
-    """Shapes whose terms vary independently: the constant, tokens per stack and, where attention keeps its
-    scores, long against short sequences at the same tokens. `tokens` sizes the probes' lengths (capped at the
-    model's positions), `batch_scale` multiplies their batch; every length is a multiple of 8 (or of
-    pad_to_multiple_of). Six probes for at most five terms: least squares with a probe to spare, and the last two
-    reach `tokens` (the most a step holds), since probes at one or two sizes alone were read as a line and missed
-    larger shapes by up to 4% (benchmarks/README.md, run 15). With `branches` (four), the shapes vary each window's
-    terms independently: batch and source length crossed (the encoder's windows), label length apart from them,
-    one long (the decoder's)."""
-    step = max(8, multiple or 8)
-
-    def length(n: float) -> int:
-        return max(step, int(min(n, max_positions or n)) // step * step)
-
-    def shape(batch: int, source: float, label: float) -> BatchShape:
-        if arch.task == "causal":
-            return BatchShape(batch * batch_scale, length(source), length(source))
-        return BatchShape(batch * batch_scale, length(source), length(label))
-
-    if arch.task == "causal":
-        return [
-            shape(1, tokens / 4, 0),
-            shape(2, tokens / 4, 0),
-            shape(1, tokens / 2, 0),
-            shape(4, tokens / 16, 0),
-            shape(2, tokens / 2, 0),  # the most tokens, at two lengths: long rows' attention apart from short's
-            shape(8, tokens / 8, 0),
-        ]
-    if branches:  # the last: one long label, so the decoder's attention scores show against its tokens
-        return [
-            shape(4, tokens / 8, tokens / 32),
-            shape(4, tokens / 4, tokens / 32),
-            shape(8, tokens / 8, tokens / 16),
-            shape(1, tokens / 8, tokens / 2),
-        ]
-    return [
-        shape(4, tokens / 8, tokens / 32),
-        shape(4, tokens / 4, tokens / 32),
-        shape(4, tokens / 8, tokens / 8),
-        shape(8, tokens / 16, tokens / 16),  # the tokens of the first shape in shorter sequences: scores apart
-        shape(1, tokens / 2, tokens / 4),  # one long row: its scores, and the decoder's over the source
-        shape(8, tokens / 8, tokens / 16),  # the most tokens
-    ]
-
-
-def probe_plan(cfg: DictConfig, arch: Architecture) -> list[tuple[int, int]]:
-    """(tokens, batch scale) to try in turn until every probe fits the budget. Checkpointed activations are a few
-    times smaller, so their probes run four times the batch to stand clear of the allocator's noise."""
-    tokens, scale = int(cfg.calibration.probe_tokens), 4 if cfg.memory.gradient_checkpointing else 1
-    plan = [(tokens, scale)]
-    while len(plan) < 4 and (scale > 1 or tokens > 256):
-        scale, tokens = (scale // 2, tokens) if scale > 1 else (scale, tokens // 2)
-        plan.append((tokens, scale))
-    return plan
 
 
 @dataclass
@@ -265,14 +204,20 @@ def _measure(
     return measured
 
 
+def _measured_by_window(measured: list[dict[str, Any]]) -> bool:
+    return all(f"{window}_allocated" in m for m in measured for window in WINDOW_TERMS)
+
+
 def _fit_windows(arch: Architecture, measured: list[dict[str, Any]], checkpointed: bool) -> dict[str, LinearFit]:
-    """One fit per window of the step (memory.model.WINDOW_TERMS where it splits), T5's position biases counted;
-    two lines in tokens where the step's peak is convex in them (memory.model.convex_in_tokens)."""
+    """One fit per window of the step (memory.model.WINDOW_TERMS where it splits and the probes measured each),
+    T5's position biases counted; else one fit over the whole step (a seq2seq model whose probes saw no gradient
+    reach the encoder, or recorded before windows); two lines in tokens where the step's peak is convex in them
+    (memory.model.convex_in_tokens)."""
 
     def rows(window: str) -> list[dict[str, float]]:
         return [window_terms(window)(m["batch"], m["source"], m["label"], arch) for m in measured]
 
-    if splits_branches(arch, checkpointed):
+    if splits_branches(arch, checkpointed) and _measured_by_window(measured):
         return {w: fit_terms(rows(w), [m[f"{w}_allocated"] for m in measured], COUNTED_TERMS) for w in WINDOW_TERMS}
     peaks = [m["allocated"] for m in measured]
     if convex_in_tokens(arch, checkpointed):
@@ -365,18 +310,18 @@ def _fit_and_cache(
 ) -> Calibration | None:
     cache_dir = Path(cfg.calibration.cache_dir)
     branches = splits_branches(arch, cfg.memory.gradient_checkpointing)
+    convex = convex_in_tokens(arch, cfg.memory.gradient_checkpointing)
     if branches:
         setup = replace(setup, split_branches=True)
     start = time.perf_counter()
     for tokens, scale in probe_plan(cfg, arch):
-        shapes = calibration_shapes(
-            arch, tokens, cfg.memory.pad_to_multiple_of, scale, cfg.model.max_positions, branches=branches
-        )
+        multiple, positions = cfg.memory.pad_to_multiple_of, cfg.model.max_positions
+        shapes = calibration_shapes(arch, tokens, multiple, scale, positions, branches=branches, convex=convex)
         measured = _measure(setup, arch, shapes, on_probe)
         if len(measured) == len(shapes):
             break
         log.warning("memory model: a calibration probe did not fit the budget; probing smaller shapes")
-    if branches and any("encoder_backward_allocated" not in m for m in measured):
+    if branches and arch.relative_position_bias and not _measured_by_window(measured):  # one fit misses T5 by 35%
         log.warning(
             "memory model: not calibrated: no gradient reached the encoder's output (a frozen encoder?), so the "
             "probes could not measure the decoder's and the encoder's backward apart; the preflight still measures "

@@ -134,26 +134,33 @@ def _bias_bytes(arch: Architecture, source_bias: int, label_bias: int, cross: in
 
 
 def splits_branches(arch: Architecture, gradient_checkpointing: bool) -> bool:
-    """Whether a step's peak is the largest of six windows rather than a sum of terms (WINDOW_TERMS): T5 under
-    gradient checkpointing holds only checkpoints and position biases between layers, so each window peaks on its
-    own transients (one layer's attention, or the logits), one at a time. Measured on an H200 for T5 only: other
-    attention that keeps its scores (eager) under checkpointing is not modelled."""
-    return gradient_checkpointing and arch.relative_position_bias and arch.task == "seq2seq"
+    """Whether a step's peak is the largest of six windows rather than a sum of terms (WINDOW_TERMS): a seq2seq model
+    under gradient checkpointing holds only checkpoints (and T5's position biases) between layers, so each window
+    peaks on its own transients (one layer's recomputation, or the logits), one at a time. T5 measured on an H200;
+    Pegasus with the full logits read as one sum under-predicted its few-label rows by up to 6.1% (run 17, H100),
+    the window of the forward's end that no probe's sum showed. Attention that keeps its scores without position
+    biases (eager) under checkpointing is not modelled by windows."""
+    return (
+        gradient_checkpointing
+        and arch.task == "seq2seq"
+        and (arch.relative_position_bias or not arch.quadratic_attention)
+    )
 
 
 def _window_terms(
     batch: int, source: int, label: int, arch: Architecture, names: tuple[str, ...], biases: tuple[int, int, int]
 ) -> dict[str, float]:
     """The terms a window keeps: a constant; `names` of tokens per stack (checkpoints, and in the head the logits)
-    and one layer's attention scores of the stack it runs in (b·heads·n²); and, counted, T5's position biases
-    (`biases`: _bias_bytes's source, label and cross counts)."""
+    and one layer's attention scores of the stack it runs in (b·heads·n², where attention keeps them); and,
+    counted, T5's position biases (`biases`: _bias_bytes's source, label and cross counts)."""
     values = {
         "encoder_tokens": float(batch * source),
         "decoder_tokens": float(batch * label),
         "encoder_scores": float(batch * arch.heads * source * source),
         "decoder_scores": float(batch * arch.heads * label * label),
     }
-    terms = {"constant": 1.0, **{name: values[name] for name in names}}
+    kept = [name for name in names if arch.quadratic_attention or not name.endswith("_scores")]
+    terms = {"constant": 1.0, **{name: values[name] for name in kept}}
     if arch.relative_position_bias:
         terms["position_biases"] = _bias_bytes(arch, *biases, source, label)
     return terms
@@ -258,9 +265,10 @@ def fit_terms(rows: list[dict[str, float]], peaks: list[float], fixed: dict[str,
 
 def fit_convex_in_tokens(rows: list[dict[str, float]], peaks: list[float]) -> dict[str, LinearFit]:
     """Peaks as the larger of two lines in tokens (shape_terms without attention scores): the probes at fewer
-    tokens fit "backward", those at more MORE_TOKENS, the two sharing the probes at the token count where they
-    meet. The split with the least error is kept where the second line is the steeper (a convex peak) and it
-    lowers the root-mean-square error by more than CONVEX_GAIN of the mean peak; else one line over all probes."""
+    tokens fit "backward", those at more MORE_TOKENS, split at a token count both share or between two (each line
+    over at least two token counts). The split with the least error is kept where the second line is the steeper (a
+    convex peak) and it lowers the root-mean-square error by more than CONVEX_GAIN of the mean peak; else one line
+    over all probes."""
 
     def squared_error(fits: list[LinearFit]) -> float:
         return sum((max(f.predict(row) for f in fits) - peak) ** 2 for row, peak in zip(rows, peaks, strict=True))
@@ -276,8 +284,10 @@ def fit_convex_in_tokens(rows: list[dict[str, float]], peaks: list[float]) -> di
     best, error = {"backward": one}, squared_error([one])
     enough = rms(error) - CONVEX_GAIN * sum(peaks) / len(peaks)
     levels = sorted({row["tokens"] for row in rows})
-    for meet in levels[1:-1]:
-        fewer, more = fit(levels[0], meet), fit(meet, levels[-1])
+    shared = [(meet, meet) for meet in levels[1:-1]]
+    between = list(zip(levels[1:-2], levels[2:-1], strict=True))
+    for last, first in shared + between:
+        fewer, more = fit(levels[0], last), fit(first, levels[-1])
         split = squared_error([fewer, more])
         if more.coefficients["tokens"] > fewer.coefficients["tokens"] and split < error and rms(split) < enough:
             best, error = {"backward": fewer, MORE_TOKENS: more}, split

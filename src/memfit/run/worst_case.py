@@ -62,8 +62,9 @@ def budget_and_limit(ctx: RunContext) -> tuple[int, int]:
 
 def calibrate(ctx: RunContext, setup: TrainingSetup, probes: Any) -> Any:
     """The memory model for this run (cached, or fitted now from a few probes), or None where it is not wanted."""
-    from memfit.memory.calibration import cached, calibrate, calibration_shapes, wanted
+    from memfit.memory.calibration import cached, calibrate, wanted
     from memfit.memory.model import describe_architecture, splits_branches
+    from memfit.memory.probe_shapes import calibration_shapes
     from memfit.memory.state import model_state_bytes
     from memfit.progress import progress_bar
 
