@@ -150,8 +150,9 @@ BUDGET_RESUME = ["trainer.batching=budget", "trainer.max_micro_batch=1", "calibr
         # 6 samples: 3 steps an epoch, so checkpoint-4 lies one step into the second epoch (a new shuffle)
         ([*BUDGET_RESUME, "data.max_train_samples=6"], 5, "checkpoint-4"),
         ([*BUDGET_RESUME, "trainer.effective_batch=samples"], 3, "checkpoint-2"),
+        ([*BUDGET_RESUME, "data.max_train_samples=6", "trainer.pad_tolerance=0.1"], 5, "checkpoint-4"),
     ],
-    ids=["fixed", "budget-tokens", "budget-samples"],
+    ids=["fixed", "budget-tokens", "budget-samples", "budget-pad-tolerance"],
 )
 def test_a_killed_run_resumes_from_its_checkpoint_in_the_same_mlflow_run(
     tmp_path, monkeypatch, batching, kill_at, checkpoint
@@ -159,7 +160,7 @@ def test_a_killed_run_resumes_from_its_checkpoint_in_the_same_mlflow_run(
     """SIGKILLed after a checkpoint; rerun with trainer.resume=true: the steps after it are exactly those of an
     uninterrupted run (step, optimizer, scheduler, RNG and data position restored) and MLflow holds one run. With
     budget-shaped batches too (micro-batches of one row), steps counted in tokens (resumed inside the second
-    epoch: its own shuffle, the step already trained skipped) or in samples."""
+    epoch: its own shuffle, the step already trained skipped; with a pad tolerance, its own bands) or in samples."""
     common = ["model=tiny_seq2seq", *FAST, "trainer.max_steps=6", "trainer.save_steps=2", "tracking.run_name=resumable"]
     common += [*batching, f"calibration.cache_dir={tmp_path / 'calibration'}"]
     straight = run_train_py(*common, f"output_dir={tmp_path / 'straight'}")
