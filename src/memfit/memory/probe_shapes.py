@@ -9,6 +9,26 @@ from omegaconf import DictConfig
 from memfit.data.audit import BatchShape
 from memfit.memory.model import Architecture
 
+# Each layout: (batch, source, label), lengths as shares of the probes' tokens; a causal row is its source.
+# Causal: the most tokens at two lengths, so long rows' attention shows apart from short rows'.
+CAUSAL = ((1, 1 / 4, 0), (2, 1 / 4, 0), (1, 1 / 2, 0), (4, 1 / 16, 0), (2, 1 / 2, 0), (8, 1 / 8, 0))
+# Causal, two lines in tokens: six token counts (1/4 to 1 of the most), rows of three lengths so that no length
+# stands for a token count.
+CAUSAL_TOKEN_COUNTS = ((1, 1 / 4, 0), (3, 1 / 8, 0), (1, 1 / 2, 0), (5, 1 / 8, 0), (3, 1 / 4, 0), (2, 1 / 2, 0))
+# Seq2seq: source and labels apart; the first shape's tokens in shorter sequences (scores apart); one long row (its
+# scores, and the decoder's over the source); the most tokens last.
+SEQ2SEQ = (
+    (4, 1 / 8, 1 / 32),
+    (4, 1 / 4, 1 / 32),
+    (4, 1 / 8, 1 / 8),
+    (8, 1 / 16, 1 / 16),
+    (1, 1 / 2, 1 / 4),
+    (8, 1 / 8, 1 / 16),
+)
+# T5's windows: batch and source crossed (the encoder's windows), labels apart from them, and one long label (the
+# decoder's scores against its tokens).
+SCORED_WINDOWS = ((4, 1 / 8, 1 / 32), (4, 1 / 4, 1 / 32), (8, 1 / 8, 1 / 16), (1, 1 / 8, 1 / 2))
+
 
 def calibration_shapes(
     arch: Architecture,
@@ -25,55 +45,21 @@ def calibration_shapes(
     pad_to_multiple_of). Six probes for at most five terms: least squares with a probe to spare, and the last two
     reach `tokens` (the most a step holds), since probes at one or two sizes alone were read as a line and missed
     larger shapes by up to 4% (benchmarks/README.md, run 15).
-    With `branches` where attention keeps its scores (T5: four), the shapes vary each window's terms independently:
-    batch and source length crossed (the encoder's windows), label length apart from them, one long (the
-    decoder's); other windowed models take the six. With `convex` (a causal LM fitted as two lines in tokens), six
-    token counts from a quarter of `tokens` to all of it, so a line on each side of the kink has two of them
-    wherever it lies (three counts placed qwen2_5_0_5b's kink, at ~10.7k tokens, on the wrong side: +4.7%;
-    benchmarks/README.md, run 17)."""
+    With `branches` where attention keeps its scores (T5), four shapes that vary each window's terms apart; other
+    windowed models take the six. With `convex` (a causal LM fitted as two lines in tokens), six token counts, so a
+    line on each side of the kink has two of them wherever it lies (three counts placed qwen2_5_0_5b's kink, at
+    ~10.7k tokens, on the wrong side: +4.7%; benchmarks/README.md, run 17)."""
     step = max(8, multiple or 8)
 
-    def length(n: float) -> int:
+    def length(share: float) -> int:
+        n = tokens * share
         return max(step, int(min(n, max_positions or n)) // step * step)
 
-    def shape(batch: int, source: float, label: float) -> BatchShape:
-        if arch.task == "causal":
-            return BatchShape(batch * batch_scale, length(source), length(source))
-        return BatchShape(batch * batch_scale, length(source), length(label))
-
-    if arch.task == "causal" and convex:  # rows of three lengths, so no length stands for a token count
-        return [
-            shape(1, tokens / 4, 0),
-            shape(3, tokens / 8, 0),
-            shape(1, tokens / 2, 0),
-            shape(5, tokens / 8, 0),
-            shape(3, tokens / 4, 0),
-            shape(2, tokens / 2, 0),  # the most tokens
-        ]
     if arch.task == "causal":
-        return [
-            shape(1, tokens / 4, 0),
-            shape(2, tokens / 4, 0),
-            shape(1, tokens / 2, 0),
-            shape(4, tokens / 16, 0),
-            shape(2, tokens / 2, 0),  # the most tokens, at two lengths: long rows' attention apart from short's
-            shape(8, tokens / 8, 0),
-        ]
-    if branches and arch.quadratic_attention:  # the last: one long label, the decoder's scores against its tokens
-        return [
-            shape(4, tokens / 8, tokens / 32),
-            shape(4, tokens / 4, tokens / 32),
-            shape(8, tokens / 8, tokens / 16),
-            shape(1, tokens / 8, tokens / 2),
-        ]
-    return [
-        shape(4, tokens / 8, tokens / 32),
-        shape(4, tokens / 4, tokens / 32),
-        shape(4, tokens / 8, tokens / 8),
-        shape(8, tokens / 16, tokens / 16),  # the tokens of the first shape in shorter sequences: scores apart
-        shape(1, tokens / 2, tokens / 4),  # one long row: its scores, and the decoder's over the source
-        shape(8, tokens / 8, tokens / 16),  # the most tokens
-    ]
+        layout = CAUSAL_TOKEN_COUNTS if convex else CAUSAL
+        return [BatchShape(b * batch_scale, length(source), length(source)) for b, source, _ in layout]
+    layout = SCORED_WINDOWS if branches and arch.quadratic_attention else SEQ2SEQ
+    return [BatchShape(b * batch_scale, length(source), length(label)) for b, source, label in layout]
 
 
 def probe_plan(cfg: DictConfig, arch: Architecture) -> list[tuple[int, int]]:
