@@ -55,3 +55,42 @@ def test_the_probes_forward_is_the_one_training_runs(compose_cfg, tmp_path, mode
     assert probed.logits.dtype == torch.float32
     if task == "causal":  # BART adds its float32 final_logits_bias: its logits are float32 either way
         assert autocast_only.logits.dtype == half
+
+
+def test_modes_change_through_the_top_module_without_a_walk_when_unchanged_and_flops_count_parameters_once(
+    compose_cfg, tmp_path
+):
+    """Trainer sets train mode at every micro-batch: where the model already trains, no module is walked; eval and
+    train still reach every module. Trainer's FLOPs estimate (6 × input tokens × parameters without embeddings) is
+    the same with the parameters counted once, and sums a budget-shaped step's micro-batches."""
+    from memfit.data import CountingCollator, load_and_tokenize, model_columns
+    from memfit.data.audit import BatchShape
+    from memfit.data.packing import MicroBatches
+    from memfit.memory.policy import training_arguments
+    from memfit.memory.probe import make_batch
+    from memfit.models import build_model, build_tokenizer
+    from memfit.training.trainer import build_trainer
+
+    cfg = compose_cfg("model=tiny_causal", *FAST, "trainer.max_steps=1")
+    tokenizer = build_tokenizer(cfg.model)
+    net = build_model(cfg, tokenizer, "cpu").model
+    datasets = {k: model_columns(v) for k, v in load_and_tokenize(cfg, tokenizer).datasets.items()}
+    collator = CountingCollator(tokenizer, cfg.memory.pad_to_multiple_of, "causal")
+    args = training_arguments(cfg, "cpu", str(tmp_path), has_eval=False)
+    trainer = build_trainer("causal", net, tokenizer, datasets, args, collator, [])
+    leaf = next(m for m in net.modules() if isinstance(m, torch.nn.Linear))
+    walked: list[bool] = []
+    leaf.train = lambda mode=True: walked.append(mode) or torch.nn.Module.train(leaf, mode)
+
+    assert net.training and net.train() is net and walked == []  # already training: nothing walked
+    net.eval()
+    assert walked == [False] and not any(m.training for m in net.modules())
+    net.train()
+    assert walked == [False, True] and all(m.training for m in net.modules())
+
+    one = make_batch(BatchShape(2, 16, 16), collator.inner, "causal", len(tokenizer), "cpu")
+    two = make_batch(BatchShape(3, 8, 8), collator.inner, "causal", len(tokenizer), "cpu")
+    parameters = net.num_parameters(exclude_embeddings=True)
+    assert trainer.floating_point_ops(one) == 6 * one["input_ids"].numel() * parameters
+    both = MicroBatches([one, two])
+    assert trainer.floating_point_ops(both) == 6 * (32 + 24) * parameters

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from collections.abc import Iterator
@@ -169,6 +170,7 @@ class _MemfitTraining:
     token_share: Any = None  # while a micro-batch of a budget-shaped step runs: its share of the step's label tokens
     eval_sums: tuple[Any, Any] = (0.0, 0)  # budget-shaped evaluation: summed loss over label tokens, and the tokens
     step_sampler: Any = None  # trainer.effective_batch=tokens: memfit.data.packing.TokenStepSampler draws the steps
+    flos_parameters: int | None = None  # the parameters Trainer's FLOPs estimate counts, counted once
 
     def get_train_dataloader(self) -> Any:
         """Trainer's own, or one optimizer step per batch drawn by the step sampler (steps of unequal sample counts)."""
@@ -251,11 +253,28 @@ class _MemfitTraining:
             output.metrics[f"{prefix}_loss"] = float(loss_sum / tokens)
         return output
 
-    def floating_point_ops(self, inputs: Any) -> float:
-        if not isinstance(inputs, MicroBatches):
-            return super().floating_point_ops(inputs)
-        parent = super()  # zero-argument super() does not reach into a generator's scope
-        return sum(parent.floating_point_ops(micro) for micro in inputs)
+    def floating_point_ops(self, inputs: Any) -> int:
+        """Trainer's estimate, 6 × input tokens × parameters without embeddings, summed over a step's micro-batches,
+        with the parameters counted once: Trainer counts them at every micro-batch, a walk over every module (a
+        host cost of a LoRA step: benchmarks/README.md, session 35), though training changes no parameter count."""
+        if isinstance(inputs, MicroBatches):
+            return sum(self.floating_point_ops(micro) for micro in inputs)
+        main_input = getattr(self.model, "main_input_name", "input_ids")
+        if main_input not in inputs or not hasattr(self.model, "num_parameters"):
+            return 0
+        if self.flos_parameters is None:
+            self.flos_parameters = self.model.num_parameters(exclude_embeddings=True)
+        return 6 * inputs[main_input].numel() * self.flos_parameters
+
+
+def _set_mode(model: Any, mode: bool = True) -> Any:
+    """nn.Module.train, returning at once where the model is already in that mode: Trainer sets train mode at every
+    micro-batch, a walk over every module (qwen2_5_1_5b with LoRA: ~2,500; a host cost of a LoRA step,
+    benchmarks/README.md, session 35). Only the top module is read, since modes change through it (Trainer's
+    train and eval, memfit's probes), never a submodule alone."""
+    if model.training == mode:
+        return model
+    return type(model).train(model, mode)
 
 
 def build_trainer(
@@ -274,6 +293,7 @@ def build_trainer(
 
     base = Seq2SeqTrainer if task == "seq2seq" else Trainer
     evaluate = "validation" in datasets and args.eval_strategy != "no"
+    model.train = functools.partial(_set_mode, model)  # model.eval() reaches it too (Module.eval calls self.train)
     trainer = type(base.__name__, (_MemfitTraining, base), {"task": task, "memory_loss": loss})(
         model=model,
         args=args,
