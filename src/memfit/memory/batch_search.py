@@ -56,7 +56,8 @@ class _BatchProbes:
             if base.static_bytes + activations * batch / max(fitting) > 1.1 * self.limit:
                 return False
         expected = self.expected_seconds(batch)
-        if self.max_seconds is not None and time.perf_counter() - self.start + expected > self.max_seconds:
+        bounded = self.max_seconds is not None and self.seconds  # the first probe runs: nothing yet to scale from
+        if bounded and time.perf_counter() - self.start + expected > self.max_seconds:
             self.search.untried, self.search.untried_seconds = batch, expected
             raise _OutOfTime
         if self.on_probe is not None:
@@ -123,7 +124,8 @@ def find_max_batch(
     A batch that the last fitting probe, scaled linearly in batch size, puts well over the limit is taken as not
     fitting without being run: on CPU nothing caps the allocator, so such a probe could take the whole host down.
     With `max_seconds`, a probe expected (the largest probe so far, its time scaled by batch size) to end the
-    search past that many seconds is not run: on CPU a probe of hundreds of rows takes minutes.
+    search past that many seconds is not run: on CPU a probe of hundreds of rows takes minutes. The first always
+    runs.
     """
     found = BatchSearch(None)
     probes = _BatchProbes(setup, shape_at, limit, on_probe, {} if measured is None else measured, max_seconds, found)
