@@ -64,7 +64,7 @@ def test_a_checkpointed_causal_lm_probes_six_token_counts(compose_cfg, tmp_path)
     probed: list = []
     calibration = _calibrate(cfg, probed)
     multiple, positions = cfg.memory.pad_to_multiple_of, cfg.model.max_positions
-    assert probed == calibration_shapes(calibration.architecture, 512, multiple, 4, positions, convex=True)
+    assert probed == calibration_shapes(calibration.architecture, 512, multiple, 4, positions, checkpointed=True)
     assert len({shape.batch * shape.source for shape in probed}) == 6  # two lines in tokens, each over two or more
 
 
@@ -153,7 +153,7 @@ def test_t5_under_checkpointing_is_calibrated_window_by_window(compose_cfg, tmp_
     probed: list = []
     fitted = _calibrate(cfg, probed)
     arch = fitted.architecture
-    assert arch.relative_position_bias and probed == calibration_shapes(arch, 512, 8, 4, branches=True)
+    assert arch.relative_position_bias and probed == calibration_shapes(arch, 512, 8, 4, checkpointed=True)
     for p in fitted.probes:
         windows = [p[f"{window}_allocated"] for window in _BranchMarker.WINDOWS]
         assert min(windows) > 0 and max(windows) == p["allocated"]  # six windows cover the step
@@ -178,7 +178,7 @@ def test_a_bart_like_model_under_checkpointing_is_calibrated_window_by_window_fr
     probed: list = []
     fitted = _calibrate(cfg, probed)
     arch = fitted.architecture
-    assert not arch.quadratic_attention and probed == calibration_shapes(arch, 512, 8, 4, branches=True)
+    assert not arch.quadratic_attention and probed == calibration_shapes(arch, 512, 8, 4, checkpointed=True)
     assert len(probed) == 6 and probed == calibration_shapes(arch, 512, 8, 4)  # the six, measured by window
     for p in fitted.probes:
         assert max(p[f"{window}_allocated"] for window in _BranchMarker.WINDOWS) == p["allocated"]
@@ -477,7 +477,7 @@ def _probes(peak, arch: Architecture, convex: bool = True) -> list[dict]:
     return [
         {"batch": s.batch, "source": s.source, "label": s.label, "allocated": peak(s.batch * s.source)}
         | {"reserved": 1.1 * peak(s.batch * s.source), "step_allocated": 1.0, "step_reserved": 1.0}
-        for s in calibration_shapes(arch, 16384, convex=convex)
+        for s in calibration_shapes(arch, 16384, checkpointed=convex)
     ]
 
 

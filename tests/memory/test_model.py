@@ -214,7 +214,7 @@ def test_windows_without_kept_scores_are_fitted_from_the_six_shapes():
     from memfit.memory.calibration import fit_peak
     from memfit.memory.probe_shapes import calibration_shapes
 
-    shapes = calibration_shapes(SEQ2SEQ, 4096, batch_scale=4, branches=True)
+    shapes = calibration_shapes(SEQ2SEQ, 4096, batch_scale=4, checkpointed=True)
     assert len(shapes) == 6
     truth = {w: {k: v for k, v in terms.items() if not k.endswith("_scores")} for w, terms in WINDOW_TRUTH.items()}
     truth["head_forward"] = {"constant": 5.0e9, "encoder_tokens": 3.0e4, "decoder_tokens": 1.0e5}
@@ -242,7 +242,7 @@ def test_each_window_fit_recovers_known_coefficients_from_the_branch_shapes():
     position biases counted rather than fitted."""
     from memfit.memory.probe_shapes import calibration_shapes
 
-    shapes = calibration_shapes(T5_LIKE, 4096, batch_scale=4, branches=True)
+    shapes = calibration_shapes(T5_LIKE, 4096, batch_scale=4, checkpointed=True)
     counted = COUNTED_TERMS
     assert list(WINDOW_TERMS) == list(WINDOW_TRUTH)  # the order the marker measures them in
     for window, terms in WINDOW_TERMS.items():

@@ -309,14 +309,14 @@ def _fit_and_cache(
     ident: dict[str, Any],
 ) -> Calibration | None:
     cache_dir = Path(cfg.calibration.cache_dir)
-    branches = splits_branches(arch, cfg.memory.gradient_checkpointing)
-    convex = convex_in_tokens(arch, cfg.memory.gradient_checkpointing)
+    checkpointed = cfg.memory.gradient_checkpointing
+    branches = splits_branches(arch, checkpointed)
     if branches:
         setup = replace(setup, split_branches=True)
     start = time.perf_counter()
     for tokens, scale in probe_plan(cfg, arch):
         multiple, positions = cfg.memory.pad_to_multiple_of, cfg.model.max_positions
-        shapes = calibration_shapes(arch, tokens, multiple, scale, positions, branches=branches, convex=convex)
+        shapes = calibration_shapes(arch, tokens, multiple, scale, positions, checkpointed)
         measured = _measure(setup, arch, shapes, on_probe)
         if len(measured) == len(shapes):
             break

@@ -7,7 +7,7 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from memfit.data.audit import BatchShape
-from memfit.memory.model import Architecture
+from memfit.memory.model import Architecture, convex_in_tokens, splits_branches
 
 # Each layout: (batch, source, label), lengths as shares of the probes' tokens; a causal row is its source.
 # Causal: the most tokens at two lengths, so long rows' attention shows apart from short rows'.
@@ -36,8 +36,7 @@ def calibration_shapes(
     multiple: int | None = None,
     batch_scale: int = 1,
     max_positions: int | None = None,
-    branches: bool = False,
-    convex: bool = False,
+    checkpointed: bool = False,
 ) -> list[BatchShape]:
     """Shapes whose terms vary independently: the constant, tokens per stack and, where attention keeps its
     scores, long against short sequences at the same tokens. `tokens` sizes the probes' lengths (capped at the
@@ -45,8 +44,9 @@ def calibration_shapes(
     pad_to_multiple_of). Six probes for at most five terms: least squares with a probe to spare, and the last two
     reach `tokens` (the most a step holds), since probes at one or two sizes alone were read as a line and missed
     larger shapes by up to 4% (benchmarks/README.md, run 15).
-    With `branches` where attention keeps its scores (T5), four shapes that vary each window's terms apart; other
-    windowed models take the six. With `convex` (a causal LM fitted as two lines in tokens), six token counts, so a
+    Under gradient checkpointing (`checkpointed`): a model fitted window by window whose attention keeps its scores
+    (T5, memory.model.splits_branches) takes four shapes that vary each window's terms apart, other windowed models
+    the six; a causal LM fitted as two lines in tokens (memory.model.convex_in_tokens) takes six token counts, so a
     line on each side of the kink has two of them wherever it lies (three counts placed qwen2_5_0_5b's kink, at
     ~10.7k tokens, on the wrong side: +4.7%; benchmarks/README.md, run 17)."""
     step = max(8, multiple or 8)
@@ -56,9 +56,9 @@ def calibration_shapes(
         return max(step, int(min(n, max_positions or n)) // step * step)
 
     if arch.task == "causal":
-        layout = CAUSAL_TOKEN_COUNTS if convex else CAUSAL
+        layout = CAUSAL_TOKEN_COUNTS if convex_in_tokens(arch, checkpointed) else CAUSAL
         return [BatchShape(b * batch_scale, length(source), length(source)) for b, source, _ in layout]
-    layout = SCORED_WINDOWS if branches and arch.quadratic_attention else SEQ2SEQ
+    layout = SCORED_WINDOWS if splits_branches(arch, checkpointed) and arch.quadratic_attention else SEQ2SEQ
     return [BatchShape(b * batch_scale, length(source), length(label)) for b, source, label in layout]
 
 

@@ -63,7 +63,7 @@ def budget_and_limit(ctx: RunContext) -> tuple[int, int]:
 def calibrate(ctx: RunContext, setup: TrainingSetup, probes: Any) -> Any:
     """The memory model for this run (cached, or fitted now from a few probes), or None where it is not wanted."""
     from memfit.memory.calibration import cached, calibrate, wanted
-    from memfit.memory.model import describe_architecture, splits_branches
+    from memfit.memory.model import describe_architecture
     from memfit.memory.probe_shapes import calibration_shapes
     from memfit.memory.state import model_state_bytes
     from memfit.progress import progress_bar
@@ -77,8 +77,8 @@ def calibrate(ctx: RunContext, setup: TrainingSetup, probes: Any) -> Any:
     else:
         model = setup.built.model
         arch = describe_architecture(model, cfg.model.task)
-        branches = splits_branches(arch, cfg.memory.gradient_checkpointing)
-        count = len(calibration_shapes(arch, cfg.calibration.probe_tokens, branches=branches))
+        checkpointed = cfg.memory.gradient_checkpointing
+        count = len(calibration_shapes(arch, cfg.calibration.probe_tokens, checkpointed=checkpointed))
         with progress_bar("memory model calibration", count) as show:
             calibration = calibrate(
                 cfg,
