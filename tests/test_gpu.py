@@ -47,6 +47,7 @@ def test_oom_in_training_is_recorded_with_forensics(compose_cfg, tmp_path):
         *GPU_RUN,
         "preflight.enabled=false",
         "budget.gib=0.5",
+        "budget.margin_gib=0",
         "trainer.batch_size=64",
         "memory.max_source_length=512",
         "forensics.memory_history=true",
@@ -71,7 +72,9 @@ def test_a_plain_run_on_cuda_trains_budget_shaped_batches_by_default(compose_cfg
 
 
 def test_the_preflight_catches_what_the_cap_would_kill(compose_cfg):
-    cfg = compose_cfg(*GPU_RUN, "budget.gib=0.5", "trainer.batch_size=64", "memory.max_source_length=512")
+    cfg = compose_cfg(
+        *GPU_RUN, "budget.gib=0.5", "budget.margin_gib=0", "trainer.batch_size=64", "memory.max_source_length=512"
+    )
     report = run(cfg)
     assert report.status == "preflight_failed" and report.steps == 0
     assert "OUT OF MEMORY" in report.reason or "does NOT fit" in report.reason

@@ -125,6 +125,7 @@ BAD = [
     (["trainer.batch_size=0"], "trainer.batch_size=0 must be > 0"),
     (["budget.gib=0"], "budget.gib=0 must be > 0"),
     (["budget.gib=-3"], "budget.gib=-3 must be > 0"),
+    (["budget.gib=0.3"], "budget.margin_gib=0.5 leaves nothing of budget.gib=0.3 to judge peaks against"),
     (["data=jsonl", "data.path=/nonexistent/my.jsonl"], "data.path=/nonexistent/my.jsonl: no such file"),
     (["memory.optimizer=lion"], "memory.optimizer='lion' is not one of"),
     (["memory.overlength=clip"], "memory.overlength='clip' is not one of"),
@@ -234,3 +235,27 @@ def test_hydra_full_error_still_shows_the_full_trace():
 
     out = run_train_py("memory.max_lable_length=64", extra_env={"HYDRA_FULL_ERROR": "1"}, timeout=120)
     assert out.returncode == 1 and "Traceback" in out.stderr and "max_lable_length" in out.stderr
+
+
+def test_a_key_nothing_reads_is_named_not_trained_past(compose_cfg):
+    # +key=value adds a key even where no group of that name exists: it must not train the defaults in silence
+    with pytest.raises(ConfigError) as err:
+        validate(compose_cfg("+trainer_batch_size=4"), cuda_available=False)
+    assert err.value.problems == [
+        "trainer_batch_size is not a config key (python train.py --cfg job lists them): remove +trainer_batch_size"
+    ]
+
+
+def test_a_preset_launched_where_no_sweep_exported_one_says_where_presets_live(tmp_path):
+    out = run_train_py(f"output_dir={tmp_path}", "+preset=qwen-aclsum-24gib", cwd=tmp_path, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"memfit: error: preset=qwen-aclsum-24gib: no sweeps/preset/ under {tmp_path}"), last
+    (tmp_path / "sweeps" / "preset").mkdir(parents=True)  # as a clone has it: the folder, no preset yet
+    out = run_train_py(f"output_dir={tmp_path}", "+preset=qwen-aclsum-24gib", cwd=tmp_path, timeout=120)
+    last = out.stderr.strip().splitlines()[-1]
+    assert (
+        last == "memfit: error: preset=qwen-aclsum-24gib: sweeps/preset/ holds no presets yet: a budget sweep "
+        "(sweep=budget) exports them there"
+    ), last
+    assert not (tmp_path / "mlflow.db").exists()

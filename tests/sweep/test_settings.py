@@ -48,3 +48,18 @@ def test_a_setting_that_cannot_run_is_one_line_naming_it(changes, expected):
 
 def test_optional_timeouts_may_be_off():
     assert check_settings(_settings(trial_timeout_s=None, heartbeat_s=None))
+
+
+@pytest.mark.parametrize(
+    ("budgets", "job_gib", "expected"),
+    [
+        ([0.4, 16], 24, "budget.margin_gib=0.5 leaves nothing of hydra.sweeper.budgets=0.4"),
+        (None, 0.5, "budget.margin_gib=0.5 leaves nothing of budget.gib=0.5"),
+    ],
+)
+def test_a_swept_budget_the_margin_leaves_nothing_of_is_one_line(budgets, job_gib, expected):
+    job_budget = OmegaConf.create({"gib": job_gib, "margin_gib": 0.5})
+    with pytest.raises(SweepConfigError) as err:
+        check_settings(_settings(budgets=budgets), job_budget)
+    assert expected in str(err.value)
+    assert check_settings(_settings(budgets=[1, 16]), job_budget) == ["epoch_throughput"]

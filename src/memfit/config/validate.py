@@ -163,8 +163,21 @@ def budget_batching_contradictions(cfg: DictConfig) -> list[str]:
 
 def _validate_budget(cfg: DictConfig, problems: list[str]) -> None:
     _positive(problems, "budget.gib", cfg.budget.gib, "give the memory budget in GiB, e.g. budget.gib=24, or null")
-    if cfg.budget.margin_gib < 0:
-        problems.append(f"budget.margin_gib={cfg.budget.margin_gib} must be >= 0: use e.g. 0.5")
+    margin, gib = cfg.budget.margin_gib, cfg.budget.gib
+    if margin < 0:
+        problems.append(f"budget.margin_gib={margin} must be >= 0: use e.g. 0.5")
+    elif isinstance(gib, int | float) and gib > 0 and (problem := margin_problem("budget.gib", gib, margin)):
+        problems.append(problem)
+
+
+def margin_problem(key: str, gib: float, margin_gib: float) -> str | None:
+    """A budget that the margin kept below it leaves nothing of: every peak would be judged against <= 0 GiB."""
+    if gib > margin_gib:
+        return None
+    return (
+        f"budget.margin_gib={margin_gib:g} leaves nothing of {key}={gib:g} to judge peaks against: "
+        f"raise {key}, or lower the margin (e.g. budget.margin_gib={gib / 10:.2g})"
+    )
 
 
 def _validate_preflight(cfg: DictConfig, problems: list[str]) -> None:
@@ -209,6 +222,26 @@ def _needs_cuda(cfg: DictConfig) -> bool:
     return any(cfg.memory[name] in knob.cuda_only for name, knob in memory_knobs().items())
 
 
+def _unknown_keys(cfg: DictConfig) -> list[str]:
+    """Keys that `+key=value` added and nothing reads: a typo, or a preset that was never found (`+preset=<name>`
+    becomes a plain key where the launch directory has no sweeps/preset/), would otherwise train the defaults."""
+    import dataclasses
+
+    from memfit.config.schema import TrainConfig
+
+    known = {f.name for f in dataclasses.fields(TrainConfig)} | {"hydra"}
+    problems = []
+    for key in sorted(set(cfg.keys()) - known):
+        if key == "preset":
+            problems.append(
+                f"preset={cfg.preset}: no sweeps/preset/ under {Path.cwd()}: launch from the directory the sweep "
+                "ran in (it exports presets to its sweeps/preset/), or add hydra.searchpath=[file://<that dir>/sweeps]"
+            )
+        else:
+            problems.append(f"{key} is not a config key (python train.py --cfg job lists them): remove +{key}")
+    return problems
+
+
 def _text(value: Any) -> str:
     """A value as the user types it on the command line."""
     return str(value).lower() if isinstance(value, bool) else str(value)
@@ -228,7 +261,7 @@ def validate(cfg: DictConfig, cuda_available: bool | None = None) -> None:
     resolve_local_model(cfg)
     if unread := unresolved_problems(cfg.model):  # the rest needs the task and the position limit
         raise ConfigError(unread)
-    problems: list[str] = []
+    problems: list[str] = _unknown_keys(cfg)
     _validate_model(cfg, problems)
     _validate_lengths(cfg, problems)
     _validate_memory(cfg, problems)

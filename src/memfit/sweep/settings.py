@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
+from memfit.config.validate import margin_problem
 from memfit.sweep.outcome import directions, objective_names
 from memfit.sweep.space import SweepConfigError
 
@@ -19,8 +20,9 @@ def _positive(name: str, value: float | None, fix: str, optional: bool = False) 
         raise SweepConfigError(f"hydra.sweeper.{name}={value} must be > 0: {fix}")
 
 
-def check_settings(s: DictConfig) -> list[str]:
-    """Raise on the first setting that cannot run; return the objectives the settings name."""
+def check_settings(s: DictConfig, job_budget: DictConfig | None = None) -> list[str]:
+    """Raise on the first setting that cannot run; return the objectives the settings name. `job_budget`, the job's
+    `budget` section: every budget swept (the ladder's, else budget.gib) must exceed its margin_gib."""
     objectives = objective_names(s.objective, list(s.pareto or []))
     if s.direction and len(objectives) == 1 and s.direction != directions(objectives)[0]:
         raise SweepConfigError(
@@ -40,6 +42,7 @@ def check_settings(s: DictConfig) -> list[str]:
         )
     for budget in s.budgets or []:
         _positive("budgets", budget, "give each budget of the ladder in GiB, e.g. [16, 24, 40]")
+    _check_margin(s, job_budget)
     if s.sampler not in SAMPLERS:
         raise SweepConfigError(f"hydra.sweeper.sampler={s.sampler!r}: use tpe or random")
     if s.isolation not in ISOLATIONS:
@@ -56,3 +59,12 @@ def check_settings(s: DictConfig) -> list[str]:
             "hydra.sweeper.pin_cores gives each device's trials their own cores: it needs hydra.sweeper.devices"
         )
     return objectives
+
+
+def _check_margin(s: DictConfig, job_budget: DictConfig | None) -> None:
+    if job_budget is None:
+        return
+    swept = [("hydra.sweeper.budgets", b) for b in s.budgets or []] or [("budget.gib", job_budget.gib)]
+    for key, gib in swept:
+        if gib and (problem := margin_problem(key, gib, job_budget.margin_gib)):
+            raise SweepConfigError(problem)

@@ -77,7 +77,7 @@ class BudgetSweep:
 
         self.config = config
         s = self.settings
-        self.objectives = check_settings(s)
+        self.objectives = check_settings(s, config.budget)
         if s.isolation == "process":
             sweep_dir = Path(config.hydra.sweep.dir)
             self.trials = ProcessTrials(app_argv(config), sweep_dir, s.trial_timeout_s, trial_env(), s.fork_trials)
