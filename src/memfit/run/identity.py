@@ -65,11 +65,15 @@ def checkpoint_dir(cfg: DictConfig) -> Path:
 
 def find_resume_point(cfg: DictConfig) -> ResumePoint:
     """With trainer.resume=true: the last checkpoint of this run name and its MLflow run, if there is one."""
-    if not cfg.trainer.resume or not checkpoint_dir(cfg).is_dir():
+    if not cfg.trainer.resume:
         return ResumePoint()
     from transformers.trainer_utils import get_last_checkpoint
 
-    checkpoint = get_last_checkpoint(str(checkpoint_dir(cfg)))
+    checkpoint = get_last_checkpoint(str(checkpoint_dir(cfg))) if checkpoint_dir(cfg).is_dir() else None
+    if not checkpoint:
+        log.info("trainer.resume=true: no checkpoint under %s yet, so training starts at step 0", checkpoint_dir(cfg))
+    if not cfg.trainer.save_steps:
+        log.warning("trainer.resume=true, but trainer.save_steps=null writes no checkpoint: set e.g. save_steps=200")
     marker = checkpoint_dir(cfg) / "memfit_run.json"
     run_id = json.loads(marker.read_text()).get("run_id") if marker.exists() and checkpoint else None
     if checkpoint:
