@@ -815,6 +815,14 @@ def test_a_budget_ladder_reuses_measurements_and_writes_one_preset_per_budget(tm
             ["trainer.batch_size=choice(2,4)", "memory.max_label_length=8", "data.max_train_samples=48"],
             "memory.max_label_length=8 keeps",
         ),
+        (
+            ["trainer.batch_size=choice(0,2)", "memory.max_label_length=32"],
+            "trainer.batch_size=0 is searched, but no trial can run it: trainer.batch_size=0 must be > 0",
+        ),
+        (
+            ["trainer.batch_size=2", "memory.max_label_length=choice(32,4096)"],
+            "memory.max_label_length=4096 is searched, but no trial can run it: memory.max_label_length=4096 exceeds",
+        ),
     ],
 )
 def test_a_bad_sweep_setting_is_one_line_and_exit_2(tmp_path, overrides, expected):

@@ -31,6 +31,7 @@ from memfit.sweep.predict import screen_data
 from memfit.sweep.results import SweepView, log_pareto_plot, summarise
 from memfit.sweep.settings import check_settings
 from memfit.sweep.space import held_step, segment_steps, suggest
+from memfit.sweep.space_check import check_searched_values
 from memfit.sweep.telling import TrialTeller
 from memfit.sweep.trials import InProcessTrials, ProcessTrials, app_argv, core_sets, trial_env
 from memfit.tracking import mask_credentials
@@ -354,6 +355,7 @@ class BudgetSweep:
     def sweep(self, arguments: list[str]) -> list[Any]:
         self.searched = search_space(arguments, dict(self.settings.params or {}), self.config)
         space, fixed = self.searched.space, self.searched.fixed
+        check_searched_values(space, fixed, self.config, trials_elsewhere=self.settings.isolation == "launcher")
         self.trials.start()  # the fork server imports while the sweeper opens the study and screens the data
         try:
             if self.searched.to_size:
