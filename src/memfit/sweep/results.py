@@ -201,6 +201,9 @@ NOT_IN_PRESET = (
 )
 
 
+NOT_ON_USE_LINE = ("sweep", "output_dir", "preflight_only", "tracking")
+
+
 def preset_settings(fixed: list[str]) -> tuple[dict[str, Any], list[str]]:
     """(dotted settings for the preset, group choices and data settings for its Use line) from the sweep's fixed
     overrides."""
@@ -209,7 +212,9 @@ def preset_settings(fixed: list[str]) -> tuple[dict[str, Any], list[str]]:
     settings, groups = {}, []
     for override in OverridesParser.create().parse_overrides(fixed):
         key = override.key_or_group
-        if "." not in key and key not in ("sweep", "output_dir", "preflight_only"):
+        if key in NOT_ON_USE_LINE or key.startswith("hydra"):
+            continue  # where results go and how trials launch: not the configuration the preset holds
+        if "." not in key:
             groups.append(override.input_line)  # model=..., memory=tight: named on the Use line
         elif key.startswith("data.") and key not in ("data.max_train_samples", "data.max_eval_samples"):
             groups.append(override.input_line)  # data.path=...: the data the sweep measured
