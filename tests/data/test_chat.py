@@ -112,7 +112,7 @@ def test_an_over_long_conversation_keeps_its_start_and_the_audit_counts_the_assi
     assert audit.label_coverage == row["label_len_kept"] / row["label_len_raw"]
     assert audit.label_lost_truncate == row["label_len_raw"] - row["label_len_kept"]
     assert audit.label_lost_drop == row["label_len_raw"]  # drop removes the whole conversation
-    assert "response tokens over-long samples lose:" in render_table(audit)
+    assert "response tokens that over-long samples lose:" in render_table(audit)
 
 
 @pytest.mark.parametrize(

@@ -228,8 +228,9 @@ def render_table(audit: LengthAudit) -> str:
     )
     if audit.label_lost_truncate or audit.label_lost_drop:
         console.print(
-            f"{label_name} tokens over-long samples lose: {audit.label_lost_truncate} with memory.overlength=truncate,"
-            f" {audit.label_lost_drop} with drop (of {audit.label_raw.mean * audit.label_raw.count:.0f})"
+            f"{label_name.rstrip('s')} tokens that over-long samples lose: {audit.label_lost_truncate} with "
+            f"memory.overlength=truncate, {audit.label_lost_drop} with drop (of "
+            f"{audit.label_raw.mean * audit.label_raw.count:.0f})"
         )
     return buffer.getvalue()
 
