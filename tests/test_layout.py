@@ -24,7 +24,7 @@ MAY_IMPORT = {
     "data": {"config", "progress"},
     "memory": {"config", "data"},
     "training": {"config", "data", "memory"},
-    "preconditions": {"config", "tracking"},
+    "preconditions": {"config", "models", "tracking"},  # models: a weightless build, for the LoRA targets
     "run": {"config", "preconditions", "data", "models", "memory", "training", "tracking", "progress"},
     "sweep": {"config", "data", "models", "memory", "tracking", "progress"},
 }

@@ -228,6 +228,25 @@ def model_type(model_cfg: DictConfig) -> str | None:
     return model_cfg.architecture.get("model_type")
 
 
+def meta_model(model_cfg: DictConfig) -> Any:
+    """A weightless (meta-device) build of the model's architecture, for its layers and parameter count before any
+    weight loads: milliseconds (qwen2_5_7b: 0.03 s once transformers is imported). None for bert2bert, whose two
+    encoders come from a checkpoint."""
+    if model_cfg.source == "bert2bert":
+        return None
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    if model_cfg.name_or_path:
+        hf_config = AutoConfig.from_pretrained(model_cfg.name_or_path)
+    else:
+        values = OmegaConf.to_container(model_cfg.architecture, resolve=True)
+        hf_config = AutoConfig.for_model(values.pop("model_type"), **values)
+    auto = AutoModelForSeq2SeqLM if model_cfg.task == "seq2seq" else AutoModelForCausalLM
+    with torch.device("meta"):
+        return auto.from_config(hf_config)
+
+
 def stored_dtype(model_cfg: DictConfig, memory: DictConfig) -> str:
     """The dtype the model's weights are stored in: a full fine-tune's memory.weights_dtype; under LoRA, whose base
     weights are frozen and need no fp32 master copy, memory.frozen_dtype, where auto is bf16 when the step runs in

@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from memfit.config import GIB, ConfigError
 
@@ -94,27 +94,19 @@ def check_tracking_server(cfg: DictConfig) -> list[str]:
     ]
 
 
-def _linear_layer_names(cfg: DictConfig) -> set[str]:
-    """Names of the model's linear layers, from a weightless (meta-device) build of its architecture."""
+def _linear_layer_names(model: Any) -> set[str]:
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-    if cfg.model.name_or_path:
-        hf_config = AutoConfig.from_pretrained(cfg.model.name_or_path)
-    else:
-        values = OmegaConf.to_container(cfg.model.architecture, resolve=True)
-        hf_config = AutoConfig.for_model(values.pop("model_type"), **values)
-    auto = AutoModelForSeq2SeqLM if cfg.model.task == "seq2seq" else AutoModelForCausalLM
-    with torch.device("meta"):
-        model = auto.from_config(hf_config)
     return {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
 
 
-def check_lora_targets(cfg: DictConfig) -> list[str]:
+def check_lora_targets(cfg: DictConfig, model: Any = None) -> list[str]:
     if not cfg.model.lora.enabled or cfg.model.source == "bert2bert":
         return []
     targets = list(cfg.model.lora.target_modules)
-    present = _linear_layer_names(cfg)
+    from memfit.models import meta_model
+
+    present = _linear_layer_names(model if model is not None else meta_model(cfg.model))
     missing = [t for t in targets if t not in present]
     if not missing:
         return []

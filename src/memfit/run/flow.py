@@ -23,6 +23,7 @@ from memfit.run.context import RunContext, StartupClock, TrainingSetup, WorstCas
 from memfit.run.identity import find_resume_point, remember_run, run_name, run_tags
 from memfit.run.report import OutOfMemoryInTraining, RunReport, is_oom
 from memfit.run.signals import Stopped, raise_if_stopped
+from memfit.run.state_bound import state_over_room
 from memfit.run.train_phase import prepare_training, train
 from memfit.run.worst_case import calibration_path, estimate, run_preflight
 
@@ -158,6 +159,9 @@ def _growth_past_preflight(report: RunReport, ctx: RunContext) -> None:
 def _phases(ctx: RunContext) -> tuple[RunReport, WorstCase]:
     """Model and Trainer, then estimate, preflight and training, as the config asks."""
     cfg, worst = ctx.cfg, WorstCase()
+    if too_large := state_over_room(cfg, ctx.device, ctx.cap.device_bytes):  # before any weight loads
+        log.error("%s", too_large.reason)
+        return too_large, worst
     setup: TrainingSetup = prepare_training(ctx)
     raise_if_stopped()  # a stop signal dropped while the model was built (signals._received)
     log.info("start-up: %s", ctx.clock.summary())
