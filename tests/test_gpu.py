@@ -80,6 +80,15 @@ def test_the_preflight_catches_what_the_cap_would_kill(compose_cfg):
     assert "OUT OF MEMORY" in report.reason or "does NOT fit" in report.reason
 
 
+def test_a_model_whose_weights_exceed_the_budget_stops_before_a_weight_reaches_the_gpu(compose_cfg):
+    cfg = compose_cfg(*GPU_RUN, "model=qwen2_5_7b", "model.lora.enabled=false", "budget.gib=20")
+    before = torch.cuda.memory_allocated()
+    report = run(cfg)
+    assert report.status == "preflight_failed"
+    assert "its weights and their gradients alone take 56.7 GiB" in report.reason
+    assert torch.cuda.memory_allocated() == before
+
+
 def test_adamw_on_cuda_is_fused_and_the_run_says_so(compose_cfg):
     cfg = compose_cfg(*GPU_RUN, "memory.optimizer=adamw")
     report = run(cfg)
