@@ -937,3 +937,26 @@ def test_a_sweep_with_nothing_feasible_exits_3_naming_the_constraint_that_binds(
     assert "memory.max_label_length: [8, 16]\n" in text
     assert "memory.max_source_length: [" in text and "(the data's p90, p99, p99.9, longest)" in text
     assert not (tmp_path / "preset").exists()
+
+
+def test_a_sweep_whose_model_weights_exceed_the_budget_exits_3_before_any_trial(tmp_path):
+    """The batch sizing job stops before loading the weights (run.state_bound): no batch is a way out, so the sweep
+    ends as nothing feasible, saying why, rather than asking for batch choices."""
+    out = run_train_py(
+        "-m",
+        "sweep=budget",
+        "model=tiny_seq2seq",
+        "budget.gib=0.005",
+        "budget.margin_gib=0",
+        "memory.max_label_length=choice(32,64)",
+        "hydra.sweeper.n_trials=2",
+        "data.max_train_samples=48",
+        *IN_PROCESS,
+        *sweep_outputs(tmp_path),
+    )
+    assert out.returncode == 3, out.stderr[-3000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        "memfit: no feasible configuration: model=tiny_seq2seq: its weights and their gradients alone take"
+    ), last
+    assert not (tmp_path / "preset").exists()

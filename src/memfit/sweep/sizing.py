@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.sweep.space import BATCH, BATCHING, SweepConfigError, held_step
+from memfit.sweep.verdict import NothingFeasible
 
 log = logging.getLogger("memfit.sweep")
 
@@ -138,20 +139,30 @@ def size_batches(runner: Any, jobs: list[SizingJob], first_job: int) -> Sizing:
         except SweepConfigError as err:
             failed.append(err)
             log.warning("%s: sizing at %s failed: %s", BATCH, job.at, err)
+    if not found and all(isinstance(err, NothingFitsHere) for err in failed):
+        raise NothingFeasible(failed[0].why)  # no batch is a way out (the weights alone exceed the limit)
     if not found:
         raise failed[0]
     return max(found, key=lambda sizing: sizing.largest)
+
+
+class NothingFitsHere(SweepConfigError):
+    """A sizing job whose run failed its preflight before any batch: at its settings nothing fits the budget."""
+
+    def __init__(self, message: str, why: str) -> None:
+        super().__init__(message)
+        self.why = why
 
 
 def _size(runner: Any, job: SizingJob, number: int) -> Sizing:
     (result,) = runner.launch([job.overrides], number)
     report = result.report or {}
     if report.get("status") != "ok":
-        why = report.get("reason") or result.error or "no report"
-        raise SweepConfigError(
-            f"trainer.batch_size={FITS}: the memory model's sizing run failed ({why.splitlines()[0]}): give "
-            "trainer.batch_size=choice(...)"
-        )
+        why = (report.get("reason") or result.error or "no report").splitlines()[0]
+        message = f"trainer.batch_size={FITS}: the memory model's sizing run failed ({why})"
+        if report.get("status") == "preflight_failed":
+            raise NothingFitsHere(message, why.removeprefix("preflight: "))
+        raise SweepConfigError(f"{message}: give trainer.batch_size=choice(...)")
     sizing = Sizing(int(report.get("max_batch") or 0), report.get("max_batch_cap"), job.at)
     calibration = Path(report.get("calibration") or "none").stem  # the one trials that step alike reuse
     log.info("%s: %s (%.0f s; memory model calibration %s)", BATCH, sizing.describe(), result.seconds, calibration)
