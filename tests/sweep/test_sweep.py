@@ -816,6 +816,10 @@ def test_a_budget_ladder_reuses_measurements_and_writes_one_preset_per_budget(tm
             "memory.max_label_length=8 keeps",
         ),
         (
+            ["budget.gib=100000", "memory.max_label_length=32", "data.max_train_samples=16"],
+            "budget.gib=100000 is larger than this ",  # the device's; said by the batch-sizing job
+        ),
+        (
             ["trainer.batch_size=choice(0,2)", "memory.max_label_length=32"],
             "trainer.batch_size=0 is searched, but no trial can run it: trainer.batch_size=0 must be > 0",
         ),

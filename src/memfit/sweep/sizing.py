@@ -162,6 +162,8 @@ def _size(runner: Any, job: SizingJob, number: int) -> Sizing:
         message = f"trainer.batch_size={FITS}: the memory model's sizing run failed ({why})"
         if report.get("status") == "preflight_failed":
             raise NothingFitsHere(message, why.removeprefix("preflight: "))
+        if report.get("status") == "invalid":  # the job's config, which its trials share: no batch choice helps
+            raise SweepConfigError(f"{why} (said by the batch-sizing job, trainer.batch_size={FITS}, at {job.at})")
         raise SweepConfigError(f"{message}: give trainer.batch_size=choice(...)")
     sizing = Sizing(int(report.get("max_batch") or 0), report.get("max_batch_cap"), job.at)
     calibration = Path(report.get("calibration") or "none").stem  # the one trials that step alike reuse
