@@ -259,3 +259,18 @@ def test_a_preset_launched_where_no_sweep_exported_one_says_where_presets_live(t
         "(sweep=budget) exports them there"
     ), last
     assert not (tmp_path / "mlflow.db").exists()
+
+
+@pytest.mark.parametrize(
+    ("fmt", "content", "expected"),
+    [
+        ("parquet", b'{"source": "a", "target": "b"}\n', "cannot be read as parquet (Parquet magic bytes"),
+        ("jsonl", b'{"source": "a", "target": \n', "line 1 is not valid JSON (Expecting value)"),
+    ],
+)
+def test_a_data_file_that_is_not_its_format_is_named_as_such(compose_cfg, tmp_path, fmt, content, expected):
+    path = tmp_path / f"my.{fmt}"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as err:
+        validate(compose_cfg(f"data={fmt}", f"data.path={path}"), cuda_available=False)
+    assert err.value.problems[0].startswith(f"data.path={path} {expected}"), err.value.problems

@@ -54,9 +54,9 @@ def _check_file(data: DictConfig, task: str, key: str, path_str: str) -> list[st
         columns = _file_columns(data.format, path)
     except UnicodeDecodeError:
         return [f"{key}={path_str} is not UTF-8 text: re-encode it as UTF-8"]
-    except (json.JSONDecodeError, ValueError) as err:
-        return [f"{key}={path_str} line 1 is not valid JSON ({err.msg if hasattr(err, 'msg') else err}): fix that line"]
-    except Exception as err:  # pyarrow raises its own types for a broken parquet file
+    except json.JSONDecodeError as err:
+        return [f"{key}={path_str} line 1 is not valid JSON ({err.msg}): fix that line"]
+    except Exception as err:  # pyarrow's own types (its ArrowInvalid is a ValueError) for a file that is not parquet
         return [f"{key}={path_str} cannot be read as {data.format} ({err}): check the file and data.format"]
     have = ", ".join(map(str, columns))
     if data.style in STYLE_COLUMNS:
