@@ -72,7 +72,9 @@ def unresolved_problems(model: DictConfig) -> list[str]:
             f"model.{unread[0]} is read from a checkpoint's config.json (model=local): set "
             "model.name_or_path=<checkpoint directory>"
         ]
-    return check_local_model(model) or [f"model.name_or_path={model.name_or_path} is not a checkpoint directory"]
+    return check_local_model(model) or [
+        f"model.name_or_path={model.name_or_path} is not a directory: give the one save_pretrained() wrote"
+    ]
 
 
 def check_local_model(model: DictConfig) -> list[str]:
