@@ -143,6 +143,7 @@ BAD = [
     (["trainer.max_steps=0"], "trainer.max_steps/num_train_epochs give no training"),
     (["trainer.pad_tolerance=0"], "trainer.pad_tolerance=0.0 must be > 0: use e.g. 0.1, or null for none"),
     (["data.targets=[summary]"], "data.targets has 'summary'"),
+    (["model=local", "model.name_or_path=/no/ckpt"], "model.name_or_path=/no/ckpt is not a directory"),
 ]
 
 
