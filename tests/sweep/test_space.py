@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import optuna
+import pytest
 from omegaconf import OmegaConf
 
 from memfit.sweep import parse_search
-from memfit.sweep.space import configurations, held_step, relevant, segment_steps, suggest
+from memfit.sweep.space import SweepConfigError, configurations, held_step, relevant, segment_steps, suggest
 
 SPACE, _ = parse_search(
     [
@@ -90,3 +91,12 @@ def test_a_timed_segment_in_micro_batches_times_fewer_steps_of_a_small_batch():
     assert segment_steps({"trainer.batch_size": 1}, {"trainer.gradient_accumulation_steps": 32}, 40, two) == {
         "trainer.max_steps": 2  # never more steps than the user's trainer.max_steps, even below the usual least
     }
+
+
+def test_bounds_optuna_refuses_are_one_line_naming_the_override():
+    with pytest.raises(SweepConfigError) as err:
+        parse_search(["trainer.learning_rate=tag(log,interval(-1,1e-3))"], {})
+    assert str(err.value) == (
+        "trainer.learning_rate=tag(log,interval(-1,1e-3)): `low > 0` must hold for `log=True`, but got "
+        "(low=-1.0, high=0.001): fix the bounds"
+    )

@@ -13,6 +13,15 @@ class SweepConfigError(ValueError):
 
 def distribution_for(override: Any) -> Any:
     """An Optuna distribution from a Hydra sweep override: choice(...), range(...), interval(...), tag(log, ...)."""
+    try:
+        return _distribution(override)
+    except ValueError as err:  # Optuna's own checks, e.g. a log scale over values <= 0
+        if isinstance(err, SweepConfigError):
+            raise
+        raise SweepConfigError(f"{override.input_line}: {str(err).rstrip('.')}: fix the bounds") from None
+
+
+def _distribution(override: Any) -> Any:
     import optuna.distributions as d
     from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, RangeSweep
 
