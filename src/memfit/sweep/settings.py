@@ -35,6 +35,18 @@ def check_settings(s: DictConfig, job_budget: DictConfig | None = None) -> list[
     _positive("heartbeat_s", s.heartbeat_s, "give seconds, or null for no heartbeat", optional=True)
     _positive("poll_s", s.poll_s, "give seconds, e.g. 5")
     _positive("segment_micro_batches", s.segment_micro_batches, "give a micro-batch count, e.g. 40, or null", True)
+    _positive("effective_batch", s.effective_batch, "give samples per optimizer step, e.g. 32, or null", True)
+    if not 0 <= s.coverage_floor <= 1:
+        raise SweepConfigError(
+            f"hydra.sweeper.coverage_floor={s.coverage_floor} must be in [0, 1]: a share of label tokens, e.g. 0.99"
+        )
+    if s.predict_margin is not None and s.predict_margin < 0:
+        raise SweepConfigError(
+            f"hydra.sweeper.predict_margin={s.predict_margin} must be >= 0: e.g. 0.1 (tell without running what is "
+            "predicted over budget × 1.1), or null to run every configuration"
+        )
+    if s.fill_budget < 0:
+        raise SweepConfigError(f"hydra.sweeper.fill_budget={s.fill_budget} must be >= 0: e.g. 2, or 0 for none")
     if s.tie_band is not None and not 0 <= s.tie_band < 1:
         raise SweepConfigError(
             f"hydra.sweeper.tie_band={s.tie_band} must be in [0, 1): a share of the fastest trial's value, e.g. 0.1;"
