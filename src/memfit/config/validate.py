@@ -121,6 +121,13 @@ def _validate_trainer(cfg: DictConfig, problems: list[str]) -> None:
     _positive(problems, "trainer.eval_steps", t.eval_steps, "use a positive step count or null")
     _positive(problems, "trainer.save_steps", t.save_steps, "use a positive step count or null")
     _positive(problems, "trainer.max_train_tokens", t.max_train_tokens, "use a positive token count or null")
+    for key, fix in (
+        ("warmup_steps", "use 0 for none"),
+        ("weight_decay", "use 0.0 for none, or e.g. 0.01"),
+        ("dataloader_num_workers", "use 0 to load batches in the training process"),
+    ):
+        if t[key] < 0:
+            problems.append(f"trainer.{key}={t[key]:g} must be >= 0: {fix}")
     _choice(problems, "trainer.device", t.device, DEVICES)
     if t.predict_with_generate and cfg.model.task != "seq2seq":
         problems.append("trainer.predict_with_generate=true is for seq2seq models: set it to false for a causal LM")
