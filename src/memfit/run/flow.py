@@ -159,7 +159,7 @@ def _growth_past_preflight(report: RunReport, ctx: RunContext) -> None:
 def _phases(ctx: RunContext) -> tuple[RunReport, WorstCase]:
     """Model and Trainer, then estimate, preflight and training, as the config asks."""
     cfg, worst = ctx.cfg, WorstCase()
-    if too_large := state_over_room(cfg, ctx.device, ctx.cap.device_bytes):  # before any weight loads
+    if too_large := state_over_room(ctx):  # before any weight loads
         log.error("%s", too_large.reason)
         return too_large, worst
     setup: TrainingSetup = prepare_training(ctx)

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from memfit.config import GIB, limit_bytes
+from memfit.config import GIB
+from memfit.run.context import RunContext
 from memfit.run.report import RunReport
 
 log = logging.getLogger("memfit")
@@ -52,28 +53,23 @@ def state_bound(cfg: DictConfig) -> StateBound | None:
     return StateBound(sum(p.numel() for p in model.parameters()), dtype, full=not cfg.model.lora.enabled)
 
 
-def room(cfg: DictConfig, device: str, device_bytes: int) -> tuple[int, str]:
-    """What a run may use, and how to say it: the budget's limit, else the GPU, else the host's free memory now."""
-    if cfg.budget.gib is not None:
-        limit = limit_bytes(cfg.budget.gib * GIB, cfg.budget.margin_gib)
-        return limit, f"the {limit / GIB:.2f} GiB limit (budget.gib={cfg.budget.gib:g} minus budget.margin_gib)"
-    if device == "cuda":
-        return device_bytes, f"this GPU's {device_bytes / GIB:.1f} GiB"
-    import psutil
+def state_over_room(ctx: RunContext) -> RunReport | None:
+    """A failed preflight's report where the StateBound exceeds the limit the preflight judges by
+    (worst_case.budget_and_limit: the budget, else the GPU or the host's free memory, minus the margin); None where
+    it fits or is unknown."""
+    from memfit.run.worst_case import budget_and_limit
 
-    free = psutil.virtual_memory().available
-    return free, f"this host's {free / GIB:.1f} GiB free now"
-
-
-def state_over_room(cfg: DictConfig, device: str, device_bytes: int) -> RunReport | None:
-    """A failed preflight's report where the StateBound exceeds the room; None where it fits (or is unknown)."""
-    bound = state_bound(cfg)
+    bound = state_bound(ctx.cfg)
     if bound is None:
         return None
-    limit, where = room(cfg, device, device_bytes)
+    _, limit = budget_and_limit(ctx)
     if bound.bytes <= limit:
         return None
-    reason = f"preflight: model={cfg.model.name}: {bound.describe()}, more than {where}: {_ways_out(cfg, bound)}"
+    gib = ctx.cfg.budget.gib
+    judged = f"budget.gib={gib:g}" if gib is not None else ctx.cap.judged_against
+    where = f"the {limit / GIB:.2f} GiB limit ({judged} minus budget.margin_gib)"
+    ways = _ways_out(ctx.cfg, bound)
+    reason = f"preflight: model={ctx.cfg.model.name}: {bound.describe()}, more than {where}: {ways}"
     return RunReport(
         status="preflight_failed", reason=reason, worst_case_peak_gib=bound.bytes / GIB, limit_gib=limit / GIB
     )
