@@ -99,6 +99,11 @@ def test_a_device_that_needs_more_than_predicted_tightens_the_plan_until_it_fits
     for shape in plan.proof_shapes():
         assert _peak(shape, 1.4 * 128 * 1024) <= LIMIT
     _every_micro_batch_is_dominated_by_a_measured_fit(plan, source, label, seed=2)
+    stale = [p for s, p in plan.measured.items() if p.oom or p.judged_bytes > LIMIT]
+    assert stale  # earlier rounds' probes past the limit are kept in the record
+    for cell in plan.batches:  # the table's bound for a cell is a fit, never such a probe
+        bound = plan.measured_for(cell)
+        assert bound is not None and not bound.oom and bound.judged_bytes <= LIMIT
 
 
 def test_a_lower_fill_leaves_headroom_and_a_cap_bounds_the_rows():

@@ -59,6 +59,7 @@ def test_a_binding_budget_gives_long_labels_small_micro_batches_short_ones_large
     budget = (short + longest) / 2  # between the short cells' peak and the long labels': it binds
 
     shaped = [f"budget.gib={budget:.3f}", "trainer.max_steps=3", "trainer.pad_tolerance=0.1"]
+    shaped.append("forensics.micro_batch_peaks=true")
     report = _budget_run(compose_cfg, long_tail_jsonl, *shaped)
     assert report.status == "ok" and report.steps == 3, report.reason
     run_id = report.run_id
@@ -82,7 +83,20 @@ def test_a_binding_budget_gives_long_labels_small_micro_batches_short_ones_large
     assert [m.step for m in samples] == [1, 2, 3] and all(m.value >= 1 for m in samples)
     table = Path(client.download_artifacts(run_id, "batch_plan/batch_plan.txt")).read_text()
     assert "batch plan (trainer.batching=budget)" in table
+    _check_micro_batch_peaks(client, run_id, sum(m.value for m in micro), report.peak_where)
     assert roomy_dir  # both runs in one store
+
+
+def _check_micro_batch_peaks(client, run_id: str, micro_batches: float, peak_where: str | None) -> None:
+    """forensics.micro_batch_peaks: a row per micro-batch trained and per optimizer step, the highest one named."""
+    path = client.download_artifacts(run_id, "forensics/micro_batch_peaks.tsv")
+    rows = [line.split("\t") for line in Path(path).read_text().splitlines()[1:]]
+    micro = [row for row in rows if row[1] != "between"]
+    assert len(micro) == micro_batches and all("input_ids" in row[2] and "labels" in row[2] for row in micro)
+    assert [int(row[0]) for row in rows if row[1] == "between"] == [1, 2, 3]  # each step's optimizer step
+    highest = max(rows, key=lambda row: float(row[3]))
+    assert peak_where == client.get_run(run_id).data.tags["memfit.peak_where"]
+    assert peak_where.startswith(f"step {highest[0]}, ") and f"{float(highest[3]):.2f} GiB allocated" in peak_where
 
 
 def test_a_causal_plan_fits_its_edges_to_the_memory_model_one_cell_where_the_budget_is_roomy(

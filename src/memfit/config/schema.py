@@ -245,6 +245,7 @@ class CalibrationConfig:
 class ForensicsConfig:
     memory_history: bool = False
     max_entries: int = 100_000
+    micro_batch_peaks: bool = False
 
 
 @dataclass

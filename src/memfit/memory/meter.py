@@ -1,7 +1,8 @@
 """Memory meter: one interface, two backends (the CUDA allocator, or the process's host memory on CPU).
 
 Everything that reports memory reads it here, so CPU tests run the same code paths as GPU runs.
-A *window* is the span since the last `reset_window()`; the meter also keeps the overall peak.
+A *window* is the span since the last `reset_window()`; the meter also keeps the overall peak. `mark()` cuts a
+window into parts (one micro-batch each) and returns the part's peak, without losing the window's.
 """
 
 from __future__ import annotations
@@ -30,7 +31,40 @@ class MemoryPeak:
         return MemoryPeak(max(self.allocated, other.allocated), max(self.reserved, other.reserved))
 
 
-class CudaMeter:
+class _Windows:
+    """Windows and their marked parts, over a backend's peak since its last reset (`_since_mark`, `_reset_peak`).
+    A part spans a window's reset: its peak is its own, whichever window's each byte counted in."""
+
+    overall: MemoryPeak
+    _marked = MemoryPeak(0, 0)  # the window's peak before the last mark
+    _carried = MemoryPeak(0, 0)  # the part's peak before the window's reset
+
+    def _since_mark(self) -> MemoryPeak:
+        raise NotImplementedError
+
+    def _reset_peak(self) -> None:
+        raise NotImplementedError
+
+    def reset_window(self) -> None:
+        self._carried = self._carried.max(self._since_mark())
+        self._marked = MemoryPeak(0, 0)
+        self._reset_peak()
+
+    def mark(self) -> MemoryPeak:
+        """The peak since the last mark; the window's peak still counts it."""
+        since = self._since_mark()
+        part, self._carried = self._carried.max(since), MemoryPeak(0, 0)
+        self._marked = self._marked.max(since)
+        self._reset_peak()
+        return part
+
+    def window_peak(self) -> MemoryPeak:
+        peak = self._marked.max(self._since_mark())
+        self.overall = self.overall.max(peak)
+        return peak
+
+
+class CudaMeter(_Windows):
     """Peak allocated (tensors) and reserved (the caching allocator's segments) on one CUDA device."""
 
     backend = "cuda"
@@ -43,14 +77,12 @@ class CudaMeter:
         self.device = device_index
         self.overall = MemoryPeak(0, 0)
 
-    def reset_window(self) -> None:
-        self.torch.cuda.reset_peak_memory_stats(self.device)
+    def _since_mark(self) -> MemoryPeak:
+        cuda = self.torch.cuda  # the caching allocator's own counters, on the host: no device synchronisation
+        return MemoryPeak(cuda.max_memory_allocated(self.device), cuda.max_memory_reserved(self.device))
 
-    def window_peak(self) -> MemoryPeak:
-        cuda = self.torch.cuda
-        peak = MemoryPeak(cuda.max_memory_allocated(self.device), cuda.max_memory_reserved(self.device))
-        self.overall = self.overall.max(peak)
-        return peak
+    def _reset_peak(self) -> None:
+        self.torch.cuda.reset_peak_memory_stats(self.device)
 
     def current_bytes(self) -> int:
         return self.torch.cuda.memory_allocated(self.device)
@@ -76,7 +108,7 @@ def _return_freed_memory() -> None:
         ctypes.CDLL(None).malloc_trim(0)  # the process's own symbols: no search for libc
 
 
-class HostMeter:
+class HostMeter(_Windows):
     """The process's peak resident set (VmHWM), reset per window through /proc/self/clear_refs.
 
     On the host there is no allocated/reserved split: both numbers are the peak RSS of the whole process
@@ -100,7 +132,7 @@ class HostMeter:
                 return int(line.split()[1])
         return 0
 
-    def reset_window(self) -> None:
+    def _reset_peak(self) -> None:
         if not self._resettable:
             return
         try:
@@ -108,16 +140,14 @@ class HostMeter:
         except OSError:
             self._resettable = False  # then windows report the peak since start, which is still an upper bound
 
-    def window_peak(self) -> MemoryPeak:
+    def _since_mark(self) -> MemoryPeak:
         if self._status.exists():
             peak_bytes = self._read_kib("VmHWM") * 1024
         else:  # not Linux: resource's ru_maxrss is the peak since start
             import resource
 
             peak_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        peak = MemoryPeak(peak_bytes, peak_bytes)
-        self.overall = self.overall.max(peak)
-        return peak
+        return MemoryPeak(peak_bytes, peak_bytes)
 
     def current_bytes(self) -> int:
         return self._read_kib("VmRSS") * 1024 if self._status.exists() else 0

@@ -103,14 +103,20 @@ class BatchPlan:
         return probe is not None and not probe.oom and probe.judged_bytes <= self.limit_bytes
 
     def measured_for(self, cell: Cell) -> Probe | None:
-        """The probe that bounds a cell: its own shape's, or the proof shape of its size that dominates it."""
+        """The probe that bounds a cell: its own shape's, or the tightest shape of its size that dominates it and fit
+        (an earlier round's probe past the limit bounds nothing; it is shown only where no fitting one dominates)."""
         batch = self.batches.get(cell, 0)
-        for shape, probe in self.measured.items():
-            i = bisect.bisect_left(self.source_edges, shape.source)
-            j = bisect.bisect_left(self.label_edges, shape.label)
-            if shape.batch == batch and i >= cell[0] and j >= cell[1]:
-                return probe
-        return None
+        dominating = [
+            (shape, probe)
+            for shape, probe in self.measured.items()
+            if shape.batch == batch
+            and bisect.bisect_left(self.source_edges, shape.source) >= cell[0]
+            and bisect.bisect_left(self.label_edges, shape.label) >= cell[1]
+        ]
+        if not dominating:
+            return None
+        _, probe = min(dominating, key=lambda item: (not self._fits(item[0]), item[1].judged_bytes))
+        return probe
 
 
 def grid(

@@ -143,6 +143,15 @@ def _growth_past_preflight(report: RunReport, ctx: RunContext) -> None:
     growth = report.peak_reserved_gib - report.worst_case_peak_gib
     report.reserved_over_preflight_gib = growth
     ctx.tracker.log_metrics({"summary/reserved_over_preflight_gib": growth}, step=report.steps)
+    if ctx.device == "cuda" and report.limit_gib is not None and (report.peak_allocated_gib or 0) > report.limit_gib:
+        log.warning(
+            "training's allocated memory reached %.2f GiB, past the %.2f GiB limit the preflight proved every batch "
+            "within: %s. The preflight did not measure this part of training; forensics.micro_batch_peaks=true "
+            "records every micro-batch's shape and peak (docs/preflight.md)",
+            report.peak_allocated_gib,
+            report.limit_gib,
+            report.peak_where or "where is not known",
+        )
     if ctx.device == "cuda" and report.limit_gib is not None and report.peak_reserved_gib > report.limit_gib:
         log.warning(
             "training's reserved memory reached %.2f GiB, %.2f GiB past the preflight's %.2f GiB for the worst "

@@ -39,6 +39,7 @@ class RunReport:
     # past what a fresh probe holds (held under budget.gib by the cap on CUDA, docs/batching.md)
     reserved_over_preflight_gib: float | None = None
     mean_micro_batch: float | None = None  # rows per micro-batch that training took, on average
+    peak_where: str | None = None  # the step and micro-batch (padded shape) training's allocated peak was on
     phase_seconds: dict[str, float] = field(default_factory=dict)  # start-up phases, preflight, training
 
     def to_dict(self) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from typing import Any
 from memfit.run.context import RunContext, TrainingSetup
 from memfit.run.identity import checkpoint_dir, run_name
 from memfit.run.report import OutOfMemoryInTraining, RunReport
+from memfit.training.peaks import MicroBatchPeaks
 
 log = logging.getLogger("memfit")
 
@@ -48,6 +49,7 @@ def prepare_training(ctx: RunContext) -> TrainingSetup:
     trainer = build_trainer(
         cfg.model.task, built.model, ctx.tokenizer, ready, args, collator, callbacks, cfg.memory.loss
     )
+    trainer.peaks = MicroBatchPeaks(ctx.meter, keep_all=cfg.forensics.micro_batch_peaks)
     ctx.clock.lap("trainer")
     return TrainingSetup(built, collator, callback, trainer)
 
@@ -76,6 +78,20 @@ def _record_oom(ctx: RunContext, setup: TrainingSetup, err: BaseException) -> st
                 ctx.tracker.log_artifact(snapshot, "oom")
     ctx.tracker.log_text("\n".join(report), "oom/report.txt")
     return reason
+
+
+def _record_peaks(ctx: RunContext, peaks: MicroBatchPeaks) -> str | None:
+    """Which part of training its allocated peak was on (a tag), and with forensics.micro_batch_peaks every part's
+    (an artifact)."""
+    peaks.after_training()
+    if peaks.highest is None:
+        return None
+    where = peaks.highest.describe()
+    log.info("training's allocated peak: %s", where)
+    ctx.tracker.set_tags({"memfit.peak_where": where})
+    if peaks.keep_all:
+        ctx.tracker.log_text(peaks.table(), "forensics/micro_batch_peaks.tsv")
+    return where
 
 
 def _epoch_tokens_per_s(ctx: RunContext, setup: TrainingSetup) -> float | None:
@@ -110,6 +126,7 @@ def train(ctx: RunContext, setup: TrainingSetup) -> RunReport:
         totals = train(setup.trainer, setup.collator, ctx.resume.checkpoint)
     except torch.OutOfMemoryError as err:
         raise OutOfMemoryInTraining(_record_oom(ctx, setup, err)) from err
+    peak_where = _record_peaks(ctx, setup.trainer.peaks)
     ctx.tracker.set_tags({"memfit.optimizer": _optimizer_name(setup.trainer)})
     overall = ctx.meter.overall
     with_warmup = totals.tokens / totals.wall_s if totals.wall_s > 0 else 0.0
@@ -154,4 +171,5 @@ def train(ctx: RunContext, setup: TrainingSetup) -> RunReport:
         steps=totals.steps,
         alloc_retries=retries,
         mean_micro_batch=setup.collator.rows / setup.collator.micro_batches if setup.collator.micro_batches else None,
+        peak_where=peak_where,
     )

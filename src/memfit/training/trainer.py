@@ -10,9 +10,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from memfit.config import GIB
 from memfit.data import LABEL_PAD, CountingCollator
 from memfit.data.packing import MicroBatches
 from memfit.memory.meter import CudaMeter, HostMeter
+from memfit.training.peaks import MicroBatchPeaks
 from memfit.training.throughput import Window
 
 # Trainer log keys → memfit metric names (`train/...`, `eval/...`), so the MLflow UI groups them.
@@ -91,6 +93,9 @@ class MemoryLoggingCallback:
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._retries_before = self.meter.alloc_retries()
+        # what training starts from (weights, and anything the preflight left): each micro-batch's peak builds on it
+        start = self.meter.current_bytes() / GIB
+        self.tracker.log_metrics({"mem/train_start_allocated_gib": start}, step=state.global_step)
         self.meter.reset_window()
         self._last_time, self._last = time.perf_counter(), self._counts()
 
@@ -171,6 +176,7 @@ class _MemfitTraining:
     eval_sums: tuple[Any, Any] = (0.0, 0)  # budget-shaped evaluation: summed loss over label tokens, and the tokens
     step_sampler: Any = None  # trainer.effective_batch=tokens: memfit.data.packing.TokenStepSampler draws the steps
     flos_parameters: int | None = None  # the parameters Trainer's FLOPs estimate counts, counted once
+    peaks: MicroBatchPeaks | None = None  # marks the meter around every micro-batch: which one training peaked on
 
     def get_train_dataloader(self) -> Any:
         """Trainer's own, or one optimizer step per batch drawn by the step sampler (steps of unequal sample counts)."""
@@ -199,15 +205,22 @@ class _MemfitTraining:
         with self.data_collator.paused():
             return super().evaluate(*args, **kwargs)
 
+    def _train_micro_batch(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.peaks is not None:
+            self.peaks.starting(self.state.global_step + 1)
+        self.data_collator.consume()  # this micro-batch is now trained on: count it, remember its shape
+        loss = super().training_step(model, inputs, *args, **kwargs)
+        if self.peaks is not None:
+            self.peaks.finished(self.data_collator.last_shape)
+        return loss
+
     def training_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         if not isinstance(inputs, MicroBatches):
-            self.data_collator.consume()  # this micro-batch is now trained on: count it, remember its shape
-            return super().training_step(model, inputs, *args, **kwargs)
+            return self._train_micro_batch(model, inputs, *args, **kwargs)
         loss = None
         for micro, share in zip(inputs, self._shares(inputs), strict=True):
-            self.data_collator.consume()
             self.token_share = share  # compute_loss weights the micro-batch's mean loss by it
-            part = super().training_step(model, micro, *args, **kwargs)
+            part = self._train_micro_batch(model, micro, *args, **kwargs)
             loss = part if loss is None else loss + part
         self.token_share = None
         return loss
