@@ -587,6 +587,9 @@ def test_faults_in_trials_and_a_killed_sweeper_lose_nothing(tmp_path, monkeypatc
     by_trial = {int(r.data.tags["memfit.trial"]): r for r in children}
     assert not [r for r in runs if r.info.status == "RUNNING"]
     assert by_trial[1].info.status == "FAILED" and by_trial[1].data.tags["memfit.reason"].startswith("oom: at step")
+    oom_report = Path(client.download_artifacts(by_trial[1].info.run_id, "oom/report.txt")).read_text()
+    fitted = r"the highest peak before it: step 1, micro-batch \d+ \(.*input_ids 1×\d+, labels 1×\d+\): [\d.]+ GiB"
+    assert re.search(fitted, oom_report), oom_report  # the step that fitted before the OOM
     assert by_trial[3].data.tags["memfit.reason"].startswith("nan_loss")
     assert by_trial[4].info.status == "KILLED" and by_trial[5].info.status == "KILLED"
     assert by_trial[6].info.status == "FINISHED" and "train/loss" in by_trial[6].data.metrics

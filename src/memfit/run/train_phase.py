@@ -69,6 +69,8 @@ def _record_oom(ctx: RunContext, setup: TrainingSetup, err: BaseException) -> st
     shape = {k: list(v) for k, v in setup.collator.last_shape.items()}
     reason = f"oom: at step {step}, batch {shape}"
     report = [reason, "", str(err)]
+    if (highest := setup.trainer.peaks.highest) is not None:  # the micro-batches that fitted before it
+        report[1:1] = ["", f"the highest peak before it: {highest.describe()}"]
     if ctx.device == "cuda":
         report += ["", torch.cuda.memory_summary()]
         if ctx.cfg.forensics.memory_history:
