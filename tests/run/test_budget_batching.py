@@ -84,6 +84,11 @@ def test_a_binding_budget_gives_long_labels_small_micro_batches_short_ones_large
     table = Path(client.download_artifacts(run_id, "batch_plan/batch_plan.txt")).read_text()
     assert "batch plan (trainer.batching=budget)" in table
     _check_micro_batch_peaks(client, run_id, sum(m.value for m in micro), report.peak_where)
+    # the run's peak is training's own (its logged windows), not the preflight's probes before it (here larger)
+    keys = ("mem/peak_allocated_gib", "mem/eval_peak_allocated_gib")
+    windows = [m.value for key in keys for m in client.get_metric_history(run_id, key)]
+    assert report.peak_allocated_gib == pytest.approx(max(windows), abs=0.02)
+    assert recorded.data.metrics["summary/peak_allocated_gib"] == pytest.approx(report.peak_allocated_gib)
     assert roomy_dir  # both runs in one store
 
 

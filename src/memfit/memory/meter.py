@@ -1,7 +1,8 @@
 """Memory meter: one interface, two backends (the CUDA allocator, or the process's host memory on CPU).
 
 Everything that reports memory reads it here, so CPU tests run the same code paths as GPU runs.
-A *window* is the span since the last `reset_window()`; the meter also keeps the overall peak. `mark()` cuts a
+A *window* is the span since the last `reset_window()`; the meter also keeps the overall peak of the windows read
+since `reset_overall()`. `mark()` cuts a
 window into parts (one micro-batch each) and returns the part's peak, without losing the window's.
 """
 
@@ -44,6 +45,11 @@ class _Windows:
 
     def _reset_peak(self) -> None:
         raise NotImplementedError
+
+    def reset_overall(self) -> None:
+        """Start the overall peak afresh: training's own, without the preflight's probes before it (some of which
+        ran past the limit, as the largest-batch search and a plan's earlier rounds do)."""
+        self.overall = MemoryPeak(0, 0)
 
     def reset_window(self) -> None:
         self._carried = self._carried.max(self._since_mark())

@@ -130,7 +130,8 @@ def train(ctx: RunContext, setup: TrainingSetup) -> RunReport:
         raise OutOfMemoryInTraining(_record_oom(ctx, setup, err)) from err
     peak_where = _record_peaks(ctx, setup.trainer.peaks)
     ctx.tracker.set_tags({"memfit.optimizer": _optimizer_name(setup.trainer)})
-    overall = ctx.meter.overall
+    ctx.meter.window_peak()  # the span after the last logged step (a closing evaluation) counts too
+    overall = ctx.meter.overall  # training's, since on_train_begin
     with_warmup = totals.tokens / totals.wall_s if totals.wall_s > 0 else 0.0
     tokens_per_s = setup.callback.steady_tokens_per_s or with_warmup
     retries = setup.callback.alloc_retries

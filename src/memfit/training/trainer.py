@@ -97,6 +97,7 @@ class MemoryLoggingCallback:
         start = self.meter.current_bytes() / GIB
         self.tracker.log_metrics({"mem/train_start_allocated_gib": start}, step=state.global_step)
         self.meter.reset_window()
+        self.meter.reset_overall()  # the run's peaks are training's: the preflight's probes are reported apart
         self._last_time, self._last = time.perf_counter(), self._counts()
 
     def _counts(self) -> tuple[int, int, int, int, int]:
