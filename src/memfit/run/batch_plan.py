@@ -94,7 +94,12 @@ def _record(ctx: RunContext, plan: Any, micro: list[tuple[int, int, int]]) -> No
         "rounds": plan.rounds,
         "cells": plan_rows(plan, micro),
         "measured": [
-            {"shape": [s.batch, s.source, s.label], "oom": p.oom, "reserved_gib": p.judged_bytes / GIB}
+            {
+                "shape": [s.batch, s.source, s.label],
+                "oom": p.oom,
+                "reserved_gib": p.judged_bytes / GIB,
+                "allocated_gib": p.peak.allocated / GIB if p.peak is not None else None,
+            }
             for s, p in plan.measured.items()
         ],
     }
