@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from memfit.memory.meter import CudaMeter, HostMeter, MemoryPeak
 
-BETWEEN_STEPS = -1  # a part that is no micro-batch: the optimizer step, zeroing gradients, loading the next batch
+BETWEEN_STEPS = -1  # a part that is no micro-batch: the optimizer step, an evaluation, loading the next batch
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,10 @@ class MicroBatchPeak:
     peak: MemoryPeak
 
     def describe(self) -> str:
-        where = "between steps (optimizer step)" if self.index == BETWEEN_STEPS else f"micro-batch {self.index + 1}"
+        if self.index == BETWEEN_STEPS:
+            where = "after its micro-batches (optimizer step, evaluation)"
+        else:
+            where = f"micro-batch {self.index + 1}"
         shape = f" ({self.shape})" if self.shape else ""
         return f"step {self.step}, {where}{shape}: {self.peak.allocated_gib:.2f} GiB allocated"
 
