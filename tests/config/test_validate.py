@@ -278,15 +278,3 @@ def test_a_data_file_that_is_not_its_format_is_named_as_such(compose_cfg, tmp_pa
     with pytest.raises(ConfigError) as err:
         validate(compose_cfg(f"data={fmt}", f"data.path={path}"), cuda_available=False)
     assert err.value.problems[0].startswith(f"data.path={path} {expected}"), err.value.problems
-
-
-def test_a_trial_pinned_to_a_gpu_the_machine_lacks_is_one_line_not_a_silent_cpu_run():
-    from memfit.config.validate import hidden_gpus_problem
-
-    problem = hidden_gpus_problem("3", 2, cuda_available=False)  # hydra.sweeper.devices=[3], a host with GPUs 0, 1
-    assert problem is not None and "CUDA_VISIBLE_DEVICES=3 shows none of this machine's 2 GPUs (0-1)" in problem
-    assert "hydra.sweeper.devices" in problem and "trainer.device=cpu" in problem
-    assert hidden_gpus_problem("1", 2, cuda_available=True) is None  # a GPU it has: the trial sees it
-    assert hidden_gpus_problem("0", 0, cuda_available=False) is None  # no GPU at all: CPU training is what was asked
-    assert hidden_gpus_problem("", 2, cuda_available=False) is None  # every GPU hidden on purpose
-    assert hidden_gpus_problem(None, 2, cuda_available=False) is None

@@ -7,7 +7,7 @@ import torch
 from omegaconf import OmegaConf
 
 import memfit.memory.policy as policy
-from memfit.memory.policy import apply_attention_kernels, pin_one_gpu
+from memfit.memory.policy import apply_attention_kernels, hidden_gpus_problem, pin_one_gpu
 
 
 @pytest.mark.parametrize(
@@ -115,3 +115,13 @@ def test_batching_auto_is_budget_on_cuda_where_nothing_rules_the_plan_out(compos
     chosen = resolve_batching(cfg, device)
     assert cfg.trainer.batching == expected
     assert chosen == (expected if not any(o.startswith("trainer.batching") for o in overrides) else None)
+
+
+def test_a_trial_pinned_to_a_gpu_the_machine_lacks_is_one_line_not_a_silent_cpu_run():
+    problem = hidden_gpus_problem("3", 2, cuda_available=False)  # hydra.sweeper.devices=[3], a host with GPUs 0, 1
+    assert problem is not None and "CUDA_VISIBLE_DEVICES=3 shows none of this machine's 2 GPUs (0-1)" in problem
+    assert "hydra.sweeper.devices" in problem and "trainer.device=cpu" in problem
+    assert hidden_gpus_problem("1", 2, cuda_available=True) is None  # a GPU it has: the trial sees it
+    assert hidden_gpus_problem("0", 0, cuda_available=False) is None  # no GPU at all: CPU training is what was asked
+    assert hidden_gpus_problem("", 2, cuda_available=False) is None  # every GPU hidden on purpose
+    assert hidden_gpus_problem(None, 2, cuda_available=False) is None

@@ -215,8 +215,6 @@ def _validate_device_needs(cfg: DictConfig, problems: list[str], cuda_available:
     on_cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and cuda_available)
     if cfg.trainer.device == "cuda" and not cuda_available:
         problems.append("trainer.device=cuda but no CUDA device is visible: use trainer.device=auto or cpu")
-    if cfg.trainer.device != "cpu" and (problem := hidden_gpus_problem(os.environ.get("CUDA_VISIBLE_DEVICES"))):
-        problems.append(problem)
     chosen = {name: knob for name, knob in memory_knobs().items() if cfg.memory[name] in knob.cuda_only}
     for name, knob in chosen.items():
         setting = f"memory.{name}={_text(cfg.memory[name])}"
@@ -254,31 +252,6 @@ def _unknown_keys(cfg: DictConfig) -> list[str]:
 def _text(value: Any) -> str:
     """A value as the user types it on the command line."""
     return str(value).lower() if isinstance(value, bool) else str(value)
-
-
-def _driver_gpus() -> int:
-    """GPUs the NVIDIA driver lists, whatever CUDA_VISIBLE_DEVICES shows (0 without the driver)."""
-    gpus = Path("/proc/driver/nvidia/gpus")
-    return len(list(gpus.iterdir())) if gpus.is_dir() else 0
-
-
-def hidden_gpus_problem(
-    visible: str | None, driver_gpus: int | None = None, cuda_available: bool | None = None
-) -> str | None:
-    """Where CUDA_VISIBLE_DEVICES names devices but shows none of the machine's GPUs (a trial pinned by
-    hydra.sweeper.devices to a GPU the machine lacks), the run would train on CPU without a word: say so instead.
-    None where the machine has no GPU (CPU training is what the user asked for) or nothing narrows them.
-    `driver_gpus` and `cuda_available` are read here where not given; CUDA is asked only where the others say it may
-    matter (a GPU host with CUDA_VISIBLE_DEVICES set)."""
-    if not visible:
-        return None
-    driver_gpus = _driver_gpus() if driver_gpus is None else driver_gpus
-    if driver_gpus == 0 or (_cuda_available() if cuda_available is None else cuda_available):
-        return None
-    return (
-        f"CUDA_VISIBLE_DEVICES={visible} shows none of this machine's {driver_gpus} GPUs (0-{driver_gpus - 1}): "
-        "list devices it has in hydra.sweeper.devices, or set trainer.device=cpu to train on CPU"
-    )
 
 
 def _cuda_available() -> bool:

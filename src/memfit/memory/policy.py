@@ -9,22 +9,47 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
-from memfit.config import GIB
+from memfit.config import GIB, ConfigError
 
 OPTIMIZER_NAMES = {"adamw": "adamw_torch", "adamw_8bit": "adamw_bnb_8bit", "adafactor": "adafactor"}
 
 
 def resolve_device(cfg: DictConfig) -> str:
-    """'cuda' or 'cpu' for trainer.device=auto|cuda|cpu."""
+    """'cuda' or 'cpu' for trainer.device=auto|cuda|cpu; a ConfigError where auto would fall to CPU only because
+    CUDA_VISIBLE_DEVICES hides every GPU the machine has (hidden_gpus_problem)."""
     if cfg.trainer.device != "auto":
         return cfg.trainer.device
     import torch
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    if problem := hidden_gpus_problem(os.environ.get("CUDA_VISIBLE_DEVICES"), _driver_gpus(), cuda_available=False):
+        raise ConfigError([problem])
+    return "cpu"
+
+
+def _driver_gpus() -> int:
+    """GPUs the NVIDIA driver lists, whatever CUDA_VISIBLE_DEVICES shows (0 without the driver)."""
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return len(list(gpus.iterdir())) if gpus.is_dir() else 0
+
+
+def hidden_gpus_problem(visible: str | None, driver_gpus: int, cuda_available: bool) -> str | None:
+    """Where CUDA_VISIBLE_DEVICES names devices but shows none of the machine's GPUs (a trial pinned by
+    hydra.sweeper.devices to a GPU the machine lacks), the run would train on CPU without a word: say so instead.
+    None where CUDA sees a GPU, the machine has none (CPU training is what the user asked for) or nothing narrows
+    them (an empty CUDA_VISIBLE_DEVICES hides every GPU on purpose)."""
+    if not visible or driver_gpus == 0 or cuda_available:
+        return None
+    return (
+        f"CUDA_VISIBLE_DEVICES={visible} shows none of this machine's {driver_gpus} GPUs (0-{driver_gpus - 1}): "
+        "list devices it has in hydra.sweeper.devices, or set trainer.device=cpu to train on CPU"
+    )
 
 
 def apply_allocator_env(memory: DictConfig) -> None:

@@ -20,7 +20,7 @@ BETWEEN_STEPS = -1  # a part that is no micro-batch: the optimizer step, an eval
 class MicroBatchPeak:
     step: int  # the optimizer step (1-based) the part belongs to
     index: int  # the micro-batch within its step (0-based), or BETWEEN_STEPS
-    shape: str  # the padded batch, e.g. "input_ids 8×928, labels 8×48"; "" between steps
+    shape: dict[str, tuple[int, ...]]  # the padded batch's tensors (the collator's last_shape); empty between steps
     peak: MemoryPeak
 
     def describe(self) -> str:
@@ -28,7 +28,7 @@ class MicroBatchPeak:
             where = "after its micro-batches (optimizer step, evaluation)"
         else:
             where = f"micro-batch {self.index + 1}"
-        shape = f" ({self.shape})" if self.shape else ""
+        shape = f" ({shape_text(self.shape)})" if self.shape else ""
         return f"step {self.step}, {where}{shape}: {self.peak.allocated_gib:.2f} GiB allocated"
 
 
@@ -60,18 +60,18 @@ class MicroBatchPeaks:
             return
         part = self.meter.mark()
         if self._step is not None:
-            self._record(MicroBatchPeak(self._step, BETWEEN_STEPS, "", part))
+            self._record(MicroBatchPeak(self._step, BETWEEN_STEPS, {}, part))
         self._step, self._index = step, 0
 
     def finished(self, shape: dict[str, tuple[int, ...]]) -> None:
         """The micro-batch `starting` announced has run its forward and backward passes."""
-        self._record(MicroBatchPeak(self._step or 0, self._index, shape_text(shape), self.meter.mark()))
+        self._record(MicroBatchPeak(self._step or 0, self._index, shape, self.meter.mark()))  # formatted if shown
         self._index += 1
 
     def after_training(self) -> None:
         """Mark the last optimizer step's span."""
         if self._step is not None:
-            self._record(MicroBatchPeak(self._step, BETWEEN_STEPS, "", self.meter.mark()))
+            self._record(MicroBatchPeak(self._step, BETWEEN_STEPS, {}, self.meter.mark()))
             self._step = None
 
     def table(self) -> str:
@@ -80,6 +80,7 @@ class MicroBatchPeaks:
         for part in self.parts:
             index = "between" if part.index == BETWEEN_STEPS else str(part.index + 1)
             lines.append(
-                f"{part.step}\t{index}\t{part.shape}\t{part.peak.allocated_gib:.3f}\t{part.peak.reserved_gib:.3f}"
+                f"{part.step}\t{index}\t{shape_text(part.shape)}\t{part.peak.allocated_gib:.3f}\t"
+                f"{part.peak.reserved_gib:.3f}"
             )
         return "\n".join(lines) + "\n"
