@@ -106,15 +106,36 @@ def test_each_policy_trains_with_the_loss_its_yaml_promises(compose_cfg, policy_
         (["calibration.enabled=false"], "cuda", "fixed"),
         (["trainer.batching=fixed"], "cuda", "fixed"),  # what the user said stays
         (["trainer.batching=budget"], "cpu", "budget"),
+        (["memory=off"], "cuda", "fixed"),  # no expandable segments: the cache fragments past the proof
+        (["memory=off"], "cpu", "fixed"),
+        (["memory=off", "trainer.batching=budget"], "cpu", "budget"),  # host memory has no such allocator
     ],
 )
-def test_batching_auto_is_budget_on_cuda_where_nothing_rules_the_plan_out(compose_cfg, overrides, device, expected):
+def test_batching_auto_is_budget_on_cuda_where_nothing_rules_the_plan_out(
+    compose_cfg, monkeypatch, overrides, device, expected
+):
     from memfit.memory.policy import resolve_batching
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)  # an earlier run in this process may have set it
 
     cfg = compose_cfg("model=tiny_seq2seq", *overrides)
     chosen = resolve_batching(cfg, device)
     assert cfg.trainer.batching == expected
     assert chosen == (expected if not any(o.startswith("trainer.batching") for o in overrides) else None)
+
+
+def test_budget_batching_on_cuda_without_expandable_segments_is_one_line(compose_cfg, monkeypatch):
+    from memfit.config import ConfigError
+    from memfit.memory.policy import resolve_batching
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    cfg = compose_cfg("model=tiny_seq2seq", "memory=off", "trainer.batching=budget")
+    with pytest.raises(ConfigError) as error:
+        resolve_batching(cfg, "cuda")
+    assert str(error.value).count("\n") == 0
+    assert "memory.expandable_segments=true" in str(error.value) and "trainer.batching=fixed" in str(error.value)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512,expandable_segments:True")  # set by hand
+    assert resolve_batching(cfg, "cuda") is None and cfg.trainer.batching == "budget"
 
 
 def test_a_trial_pinned_to_a_gpu_the_machine_lacks_is_one_line_not_a_silent_cpu_run():

@@ -44,11 +44,18 @@ def test_only_lengths_are_derived_and_an_empty_space_is_one_line(compose_cfg):
         search_space(["trainer.batch_size=2"], {}, cfg)
 
 
-@pytest.mark.parametrize(("device", "searched"), [("cuda", ("fixed", "budget")), ("cpu", None)])
-def test_the_recipes_batching_is_searched_where_trials_train_on_a_gpu(compose_cfg, device, searched):
-    """`trainer.batching: auto` in the recipe: both kinds of batches on a GPU (deciding where trials train needs
-    no GPU here: trainer.device=cuda says so), not searched on CPU; the command line still wins."""
-    cfg = compose_cfg("model=tiny_seq2seq", f"trainer.device={device}")
+@pytest.mark.parametrize(
+    ("device", "policy", "searched"),
+    [("cuda", "balanced", ("fixed", "budget")), ("cpu", "balanced", None), ("cuda", "off", None)],
+)
+def test_the_recipes_batching_is_searched_where_trials_train_on_a_gpu(
+    compose_cfg, monkeypatch, device, policy, searched
+):
+    """`trainer.batching: auto` in the recipe: both kinds of batches on a GPU with expandable segments (deciding
+    where trials train needs no GPU here: trainer.device=cuda says so), not searched on CPU or without them
+    (memory=off); the command line still wins."""
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    cfg = compose_cfg("model=tiny_seq2seq", f"trainer.device={device}", f"memory={policy}")
     recipe = {"trainer.batch_size": "choice(1,2)", "trainer.batching": "auto"}
     space = search_space([], recipe, cfg).space
     assert getattr(space.get("trainer.batching"), "choices", None) == searched

@@ -66,17 +66,19 @@ def length_choices(raw: np.ndarray, multiple: int | None, cap: int) -> list[int]
 
 
 def _batching_choice(params: dict[str, Any], config: DictConfig) -> dict[str, Any]:
-    """`trainer.batching: auto` in the recipe: choice(fixed,budget) where trials train on a GPU, else not searched."""
+    """`trainer.batching: auto` in the recipe: choice(fixed,budget) where trials train on a GPU with expandable
+    segments (policy.expandable_segments_problem), else not searched."""
     if str(params.get(BATCHING)) != BATCHING_AUTO:
         return params
-    from memfit.memory.policy import resolve_device
+    from memfit.memory.policy import expandable_segments_on, resolve_device
 
     searched = {key: value for key, value in params.items() if key != BATCHING}
-    if resolve_device(config) == "cuda":
+    if resolve_device(config) == "cuda" and expandable_segments_on(config.memory):
         searched[BATCHING] = "choice(fixed,budget)"
     else:
         log.info(
-            "trainer.batching: %s (budget-shaped batches are searched where trials train on a GPU)",
+            "trainer.batching: %s (budget-shaped batches are searched where trials train on a GPU with "
+            "memory.expandable_segments=true)",
             config.trainer.batching,
         )
     return searched
