@@ -138,6 +138,16 @@ def test_budget_batching_on_cuda_without_expandable_segments_is_one_line(compose
     assert resolve_batching(cfg, "cuda") is None and cfg.trainer.batching == "budget"
 
 
+def test_a_fixed_batch_run_on_cuda_without_expandable_segments_is_warned(compose_cfg, monkeypatch):
+    from memfit.memory.policy import fragmentation_warning
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    off = compose_cfg("model=tiny_seq2seq", "memory=off", "trainer.batching=fixed")
+    assert "memory.expandable_segments=false" in fragmentation_warning(off, "cuda")
+    assert fragmentation_warning(off, "cpu") is None  # host memory has no such cache
+    assert fragmentation_warning(compose_cfg("model=tiny_seq2seq"), "cuda") is None  # balanced grows segments
+
+
 def test_a_trial_pinned_to_a_gpu_the_machine_lacks_is_one_line_not_a_silent_cpu_run():
     problem = hidden_gpus_problem("3", 2, cuda_available=False)  # hydra.sweeper.devices=[3], a host with GPUs 0, 1
     assert problem is not None and "CUDA_VISIBLE_DEVICES=3 shows none of this machine's 2 GPUs (0-1)" in problem

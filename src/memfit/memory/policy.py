@@ -128,6 +128,17 @@ def expandable_segments_on(memory: DictConfig) -> bool:
     )
 
 
+def fragmentation_warning(cfg: DictConfig, device: str) -> str | None:
+    """A fixed-batch run on CUDA without expandable segments: the preflight proves its worst batch on the cache as
+    the probes left it, and a run's other shapes can fragment the cache past that (expandable_segments_problem)."""
+    if device != "cuda" or expandable_segments_on(cfg.memory) or not cfg.preflight.enabled:
+        return None
+    return (
+        "memory.expandable_segments=false: over a run's many batch shapes the allocator's cache can fragment past "
+        "what the preflight proved (summary/reserved_over_preflight_gib says how far); set it to true to prevent it"
+    )
+
+
 def expandable_segments_problem() -> str:
     """Budget-shaped batches meet dozens of shapes an epoch. Without expandable segments the allocator carves a new
     segment for a request no cached block fits and splits cached ones for smaller requests, so free memory scatters

@@ -69,7 +69,7 @@ def _start(cfg: DictConfig, clock: StartupClock, callbacks: tuple[Any, ...] = ()
 
     from memfit.data import load_and_tokenize
     from memfit.memory.meter import make_meter
-    from memfit.memory.policy import apply_attention_kernels, apply_budget, resolve_batching
+    from memfit.memory.policy import apply_attention_kernels, apply_budget, fragmentation_warning, resolve_batching
     from memfit.models import build_tokenizer
     from memfit.tracking import start_tracking
 
@@ -84,6 +84,8 @@ def _start(cfg: DictConfig, clock: StartupClock, callbacks: tuple[Any, ...] = ()
     _resolve_kernels(cfg, device)
     if batching := resolve_batching(cfg, device):
         log.info("trainer.batching=auto: %s on %s", batching, device)
+    if warning := fragmentation_warning(cfg, device):
+        log.warning(warning)
     set_seed(cfg.trainer.seed)
     clock.lap("checks")
     tokenizer = build_tokenizer(cfg.model)
