@@ -71,6 +71,26 @@ def test_a_plain_run_on_cuda_trains_budget_shaped_batches_by_default(compose_cfg
     assert recorded.data.tags["memfit.effective_batch"] == "tokens" and recorded.data.metrics["plan/max_batch"] >= 1
 
 
+def test_budget_shaped_batches_without_expandable_segments_are_one_line_before_the_model_loads(
+    compose_cfg, monkeypatch
+):
+    from memfit.config import ConfigError
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)  # an earlier run in this process may have set it
+    plain = [o for o in GPU_RUN if o != "trainer.batching=fixed"]
+    before = torch.cuda.memory_allocated()
+    with pytest.raises(ConfigError, match="trainer.batching=budget on CUDA needs memory.expandable_segments=true"):
+        run(compose_cfg(*plain, "memory=off", "trainer.batching=budget"))
+    assert torch.cuda.memory_allocated() == before
+    cfg = compose_cfg(*plain, "memory=off", "memory.precision=fp32", "budget.gib=8")
+    report = run(cfg)  # auto: fixed batches, where the cache would fragment past a plan's proof
+    assert report.status == "ok", report.reason
+    assert (
+        MlflowClient(default_tracking_uri(cfg.output_dir)).get_run(report.run_id).data.params["trainer.batching"]
+        == "fixed"
+    )
+
+
 def test_the_preflight_catches_what_the_cap_would_kill(compose_cfg):
     cfg = compose_cfg(
         *GPU_RUN, "budget.gib=0.5", "budget.margin_gib=0", "trainer.batch_size=64", "memory.max_source_length=512"
