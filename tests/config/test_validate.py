@@ -278,3 +278,15 @@ def test_a_data_file_that_is_not_its_format_is_named_as_such(compose_cfg, tmp_pa
     with pytest.raises(ConfigError) as err:
         validate(compose_cfg(f"data={fmt}", f"data.path={path}"), cuda_available=False)
     assert err.value.problems[0].startswith(f"data.path={path} {expected}"), err.value.problems
+
+
+def test_budget_batching_on_cuda_without_expandable_segments_is_one_line(compose_cfg, monkeypatch):
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    cfg = compose_cfg("model=tiny_seq2seq", "memory=off", "trainer.batching=budget")
+    with pytest.raises(ConfigError) as error:
+        validate(cfg, cuda_available=True)
+    assert str(error.value).count("\n") == 0
+    assert "memory.expandable_segments=true" in str(error.value) and "trainer.batching=fixed" in str(error.value)
+    validate(cfg, cuda_available=False)  # on CPU host memory has no such cache: budget-shaped batches train
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512,expandable_segments:True")  # set by hand
+    validate(cfg, cuda_available=True)

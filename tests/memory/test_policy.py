@@ -124,20 +124,6 @@ def test_batching_auto_is_budget_on_cuda_where_nothing_rules_the_plan_out(
     assert chosen == (expected if not any(o.startswith("trainer.batching") for o in overrides) else None)
 
 
-def test_budget_batching_on_cuda_without_expandable_segments_is_one_line(compose_cfg, monkeypatch):
-    from memfit.config import ConfigError
-    from memfit.memory.policy import resolve_batching
-
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    cfg = compose_cfg("model=tiny_seq2seq", "memory=off", "trainer.batching=budget")
-    with pytest.raises(ConfigError) as error:
-        resolve_batching(cfg, "cuda")
-    assert str(error.value).count("\n") == 0
-    assert "memory.expandable_segments=true" in str(error.value) and "trainer.batching=fixed" in str(error.value)
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512,expandable_segments:True")  # set by hand
-    assert resolve_batching(cfg, "cuda") is None and cfg.trainer.batching == "budget"
-
-
 def test_a_fixed_batch_run_on_cuda_without_expandable_segments_is_warned(compose_cfg, monkeypatch):
     from memfit.memory.policy import fragmentation_warning
 

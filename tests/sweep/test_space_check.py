@@ -28,3 +28,17 @@ def test_a_fixed_setting_every_trial_would_stop_on_is_named(compose_cfg):
         check_searched_values(space, fixed, cfg)
     assert str(err.value).startswith("trainer.gradient_accumulation_steps=0 must be > 0")
     assert str(err.value).endswith("(every trial would stop on it)")
+
+
+def test_budget_shaped_batches_searched_on_gpus_without_expandable_segments_are_named(compose_cfg, monkeypatch):
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    cfg = compose_cfg("model=tiny_seq2seq", "memory=off")
+    space, fixed = parse_search(["trainer.batching=choice(fixed,budget)", "trainer.batch_size=4"], {})
+    with pytest.raises(SweepConfigError) as err:  # trials on other machines' GPUs (Hydra's launcher)
+        check_searched_values(space, fixed, cfg, trials_elsewhere=True)
+    assert str(err.value).startswith(
+        "trainer.batching=budget is searched, but no trial can run it: trainer.batching=budget on CUDA needs "
+        "memory.expandable_segments=true"
+    )
+    space, fixed = parse_search(["trainer.batching=choice(fixed,budget)", "memory.expandable_segments=true"], {})
+    check_searched_values(space, fixed, cfg, trials_elsewhere=True)

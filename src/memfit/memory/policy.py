@@ -103,51 +103,32 @@ def resolve_batching(cfg: DictConfig, device: str) -> str | None:
     batch the worst case allows on every measured long-tail set (pegasus_large and qwen2_5_1_5b at 24 and 40 GiB,
     benchmarks/README.md, budget_batching_gpu.py); fixed on CPU (the plan's host-memory calibration costs more than it
     saves on small CPU runs), where the run's settings rule the plan out, and on CUDA without expandable segments
-    (expandable_segments_problem). Sets the knob and returns what it chose, or None where it was not auto; a
-    ConfigError where budget was asked for on CUDA without expandable segments."""
-    from memfit.config.validate import budget_batching_contradictions
+    (config.validate.expandable_segments_problem refuses budget there). Sets the knob and returns what it chose, or
+    None where it was not auto."""
+    from memfit.config.validate import budget_batching_contradictions, expandable_segments_on
 
-    fragments = device == "cuda" and not expandable_segments_on(cfg.memory)
-    if cfg.trainer.batching == "budget" and fragments:
-        raise ConfigError([expandable_segments_problem()])
     if cfg.trainer.batching != "auto":
         return None
     # preflight_only with fixed batches searches the largest batch that fits: what that command is for
     shaped = device == "cuda" and not cfg.preflight_only and not budget_batching_contradictions(cfg)
-    if shaped and fragments:
+    if shaped and not expandable_segments_on(cfg.memory):
         logging.getLogger("memfit").info("trainer.batching=auto: fixed, as memory.expandable_segments=false")
-    cfg.trainer.batching = "budget" if shaped and not fragments else "fixed"
+        shaped = False
+    cfg.trainer.batching = "budget" if shaped else "fixed"
     return cfg.trainer.batching
-
-
-def expandable_segments_on(memory: DictConfig) -> bool:
-    """Whether CUDA's allocator grows segments in place: the knob, or PYTORCH_CUDA_ALLOC_CONF set by hand."""
-    return (
-        bool(memory.expandable_segments)
-        or "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
-    )
 
 
 def fragmentation_warning(cfg: DictConfig, device: str) -> str | None:
     """A fixed-batch run on CUDA without expandable segments: the preflight proves its worst batch on the cache as
-    the probes left it, and a run's other shapes can fragment the cache past that (expandable_segments_problem)."""
+    the probes left it, and a run's other shapes can fragment the cache past that
+    (config.validate.expandable_segments_problem)."""
+    from memfit.config.validate import expandable_segments_on
+
     if device != "cuda" or expandable_segments_on(cfg.memory) or not cfg.preflight.enabled:
         return None
     return (
         "memory.expandable_segments=false: over a run's many batch shapes the allocator's cache can fragment past "
         "what the preflight proved (summary/reserved_over_preflight_gib says how far); set it to true to prevent it"
-    )
-
-
-def expandable_segments_problem() -> str:
-    """Budget-shaped batches meet dozens of shapes an epoch. Without expandable segments the allocator carves a new
-    segment for a request no cached block fits and splits cached ones for smaller requests, so free memory scatters
-    over segments that live tensors pin and reserved memory outgrows what the preflight proved: a proven plan OOMed
-    at step 25, twice (pegasus_large, memory=off, 24 GiB, an H100), and trained its epoch with them 0.21 GiB under
-    the judged worst case (benchmarks/README.md, budget_batching_gpu.py session 38)."""
-    return (
-        "trainer.batching=budget on CUDA needs memory.expandable_segments=true: without it the allocator's cache "
-        "fragments over the plan's many shapes and outgrows the proof; set it, or set trainer.batching=fixed"
     )
 
 

@@ -67,10 +67,11 @@ def length_choices(raw: np.ndarray, multiple: int | None, cap: int) -> list[int]
 
 def _batching_choice(params: dict[str, Any], config: DictConfig) -> dict[str, Any]:
     """`trainer.batching: auto` in the recipe: choice(fixed,budget) where trials train on a GPU with expandable
-    segments (policy.expandable_segments_problem), else not searched."""
+    segments (config.validate.expandable_segments_problem), else not searched."""
     if str(params.get(BATCHING)) != BATCHING_AUTO:
         return params
-    from memfit.memory.policy import expandable_segments_on, resolve_device
+    from memfit.config.validate import expandable_segments_on
+    from memfit.memory.policy import resolve_device
 
     searched = {key: value for key, value in params.items() if key != BATCHING}
     if resolve_device(config) == "cuda" and expandable_segments_on(config.memory):
