@@ -290,3 +290,7 @@ def test_budget_batching_on_cuda_without_expandable_segments_is_one_line(compose
     validate(cfg, cuda_available=False)  # on CPU host memory has no such cache: budget-shaped batches train
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512,expandable_segments:True")  # set by hand
     validate(cfg, cuda_available=True)
+    balanced = compose_cfg("model=tiny_seq2seq", "trainer.batching=budget")  # the knob on, the user's env says off
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    with pytest.raises(ConfigError):
+        validate(balanced, cuda_available=True)

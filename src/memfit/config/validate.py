@@ -228,11 +228,13 @@ def _validate_device_needs(cfg: DictConfig, problems: list[str], cuda_available:
 
 
 def expandable_segments_on(memory: DictConfig) -> bool:
-    """Whether CUDA's allocator grows segments in place: the knob, or PYTORCH_CUDA_ALLOC_CONF set by hand."""
-    return (
-        bool(memory.expandable_segments)
-        or "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
-    )
+    """Whether CUDA's allocator grows segments in place: PYTORCH_CUDA_ALLOC_CONF's setting where it names one (the
+    user's, which memory.policy.apply_allocator_env leaves as it is), else the knob."""
+    for option in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower().split(","):
+        name, _, value = option.partition(":")
+        if name == "expandable_segments":
+            return value == "true"
+    return bool(memory.expandable_segments)
 
 
 def expandable_segments_problem() -> str:

@@ -7,7 +7,6 @@ thing in a run, before torch touches the device.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,10 +110,8 @@ def resolve_batching(cfg: DictConfig, device: str) -> str | None:
         return None
     # preflight_only with fixed batches searches the largest batch that fits: what that command is for
     shaped = device == "cuda" and not cfg.preflight_only and not budget_batching_contradictions(cfg)
-    if shaped and not expandable_segments_on(cfg.memory):
-        logging.getLogger("memfit").info("trainer.batching=auto: fixed, as memory.expandable_segments=false")
-        shaped = False
-    cfg.trainer.batching = "budget" if shaped else "fixed"
+    # without expandable segments: fixed, and fragmentation_warning says why
+    cfg.trainer.batching = "budget" if shaped and expandable_segments_on(cfg.memory) else "fixed"
     return cfg.trainer.batching
 
 
