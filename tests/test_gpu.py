@@ -284,3 +284,48 @@ def test_the_readme_estimate_on_the_gpu_and_the_preflight_agree(tmp_path):
     report = next(r for r in reports if r["worst_case_peak_gib"] is not None)
     assert report["calibration"]  # reused from the estimate's cache
     assert abs(report["predicted_peak_gib"] / report["worst_case_peak_gib"] - 1) < 0.08, report
+
+
+def test_the_chunked_loss_over_a_causal_lms_label_rows_never_synchronises_the_device():
+    """Told the label count by the host (training's collator counts it), picking the label rows, the chunked loss and
+    its backward pass launch without once waiting for the GPU, so the host runs ahead of the device through them."""
+    from memfit.data.collate import loss_positions
+    from memfit.memory.loss import chunked_cross_entropy, label_rows
+
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, 40, 32, generator=generator).cuda().requires_grad_()
+    weight = torch.randn(1001, 32, generator=generator).cuda().requires_grad_()
+    labels = torch.randint(0, 1001, (3, 40), generator=generator)
+    labels[:, :25] = -100  # the prompt
+    positions = int(loss_positions(labels, "causal"))
+    labels = labels.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        rows, targets = label_rows(hidden, labels, "causal", positions)
+        loss = chunked_cross_entropy(rows, weight, targets, chunk=16)
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert rows.shape[0] == positions == 3 * 14 and torch.isfinite(loss)
+
+
+def test_expandable_segments_reach_an_allocator_that_started_before_the_run():
+    """A process whose CUDA started without expandable segments (an earlier multirun job with memory=off, a
+    notebook) gets them from the next run's policy: the allocator's new segments expand."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch\n"
+        "from omegaconf import OmegaConf\n"
+        "from memfit.memory.policy import apply_allocator_env\n"
+        "torch.zeros(1, device='cuda')\n"
+        "apply_allocator_env(OmegaConf.create({'expandable_segments': True}))\n"
+        "held = torch.empty(2**28, dtype=torch.uint8, device='cuda')\n"
+        "segments = [s for s in torch.cuda.memory_snapshot() if s['total_size'] >= 2**28]\n"
+        "print(all(s['is_expandable'] for s in segments) and len(segments) > 0)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "True", out.stderr[-2000:]

@@ -184,6 +184,14 @@ def assert_model_loss_equals_its_own(compose_cfg, overrides: tuple[str, ...], ki
         torch.testing.assert_close(have, want, rtol=1e-4, atol=1e-6)
     assert model(**batch).logits.shape[-1] == model.config.vocab_size  # the head is the model's own again
 
+    # told how many label positions there are, as training tells it (the collator counts them on the host), the loss
+    # picks the same rows without reading the labels back from the device
+    collator.consume()
+    told = model_loss(model, batch, cfg.model.task, chunk=5, kind=kind, positions=collator.last_loss_positions)
+    torch.testing.assert_close(told, standard, rtol=1e-5, atol=1e-6)
+    for want, have in zip(expected, torch.autograd.grad(told, trainable), strict=True):
+        torch.testing.assert_close(have, want, rtol=1e-4, atol=1e-6)
+
 
 @pytest.mark.parametrize("overrides", MODELS, ids=MODEL_IDS)
 def test_a_models_chunked_loss_and_gradients_equal_its_own_loss(compose_cfg, overrides):
@@ -231,3 +239,29 @@ def test_a_run_with_the_chunked_loss_trains_and_evaluates_as_the_standard_one(co
     assert chunked.final_loss == pytest.approx(standard.final_loss, rel=1e-4)
     assert chunked.eval_loss == pytest.approx(standard.eval_loss, rel=1e-4)
     assert chunked.worst_case_peak_gib > 0 and "loss" in POLICY_KNOBS
+
+
+@pytest.mark.parametrize("task", ["causal", "seq2seq"])
+def test_label_rows_told_the_count_pick_the_rows_that_counting_on_the_device_picks(task):
+    """The rows whose loss counts (a causal LM's targets are the next position's labels), picked by position: the
+    same rows, in the same order, with the count from the host as without it; a batch without labels keeps its rows."""
+    from memfit.data.collate import loss_positions
+    from memfit.memory.loss import label_rows
+
+    hidden = torch.randn(3, 7, 4)
+    labels = torch.randint(0, 50, (3, 7))
+    labels[0, :3] = labels[1, 5:] = labels[2, :] = -100  # a prompt, padding, a row without labels
+    rows, targets = label_rows(hidden, labels, task)
+    told_rows, told_targets = label_rows(hidden, labels, task, int(loss_positions(labels, task)))
+    if task == "causal":
+        expected = [(0, 2), (0, 3), (0, 4), (0, 5), (1, 0), (1, 1), (1, 2), (1, 3)]
+    else:
+        expected = [(0, 3), (0, 4), (0, 5), (0, 6), (1, 0), (1, 1), (1, 2), (1, 3), (1, 4)]
+    shift = 1 if task == "causal" else 0
+    assert torch.equal(rows, torch.stack([hidden[b, t] for b, t in expected]))
+    assert targets.tolist() == [int(labels[b, t + shift]) for b, t in expected]
+    assert torch.equal(told_rows, rows) and torch.equal(told_targets, targets)
+
+    unlabelled = torch.full((2, 5), -100)
+    kept, kept_labels = label_rows(hidden[:2, :5], unlabelled, task, 0)
+    assert kept.shape == (2, 5, 4) and bool((kept_labels == -100).all())

@@ -142,3 +142,33 @@ def test_a_trial_pinned_to_a_gpu_the_machine_lacks_is_one_line_not_a_silent_cpu_
     assert hidden_gpus_problem("0", 0, cuda_available=False) is None  # no GPU at all: CPU training is what was asked
     assert hidden_gpus_problem("", 2, cuda_available=False) is None  # every GPU hidden on purpose
     assert hidden_gpus_problem(None, 2, cuda_available=False) is None
+
+
+def test_training_never_waits_for_the_device_between_micro_batches(compose_cfg, tmp_path):
+    """On CUDA batches are copied from pinned memory without waiting for the copy, and no micro-batch's loss is read
+    back to screen it for NaN (the run stops at a non-finite logged loss instead): either would stall the host's
+    launching of the next kernels until the GPU had run all it was given. On CPU there is nothing to wait for."""
+    from memfit.memory.policy import training_arguments
+
+    cfg = compose_cfg("model=tiny_causal", "memory.precision=fp32")  # bf16 would ask this machine for a GPU
+    cuda = training_arguments(cfg, "cuda", str(tmp_path / "cuda"), has_eval=False)
+    cpu = training_arguments(cfg, "cpu", str(tmp_path / "cpu"), has_eval=False)
+    assert cuda.accelerator_config.non_blocking and cuda.dataloader_pin_memory
+    assert not cpu.accelerator_config.non_blocking
+    assert not cuda.logging_nan_inf_filter and not cpu.logging_nan_inf_filter
+
+
+def test_the_allocator_env_adds_expandable_segments_and_leaves_a_users_own_setting(monkeypatch):
+    from omegaconf import OmegaConf
+
+    from memfit.memory.policy import apply_allocator_env
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:0.8")
+    apply_allocator_env(OmegaConf.create({"expandable_segments": True}))
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "garbage_collection_threshold:0.8,expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    apply_allocator_env(OmegaConf.create({"expandable_segments": True}))
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:False"  # the user's word stands
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    apply_allocator_env(OmegaConf.create({"expandable_segments": False}))
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ

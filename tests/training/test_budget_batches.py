@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from memfit.data import CountingCollator
+from memfit.data.collate import loss_positions
 from memfit.data.packing import MicroBatches, TokenStepSampler, sample_lengths
 from memfit.memory.policy import training_arguments
 from memfit.models import build_model, build_tokenizer
-from memfit.training.trainer import build_trainer, label_tokens
+from memfit.training.trainer import build_trainer
 from tests.conftest import FAST
 
 DROPOUTS = {
@@ -79,7 +80,7 @@ def test_a_step_over_unequal_micro_batches_has_the_gradient_of_the_per_token_los
     for name, grad in direct.items():
         torch.testing.assert_close(budget_shaped[name], grad, rtol=1e-5, atol=1e-6, msg=name)
     assert collator.micro_batches == 2 and collator.rows == 4  # both micro-batches counted as trained on
-    assert int(label_tokens(whole, task)) == int(labels.ne(-100).sum())
+    assert int(loss_positions(whole["labels"], task)) == int(labels.ne(-100).sum())
 
 
 @pytest.mark.parametrize("model_name", ["tiny_seq2seq", "tiny_causal"])
@@ -118,4 +119,4 @@ def test_steps_counted_in_tokens_reach_training_as_the_sampler_draws_them(compos
     for batch, step in zip(batches, steps, strict=True):
         assert sum(len(micro["input_ids"]) for micro in batch) == len(step)
         assert all(len(micro["input_ids"]) <= 3 for micro in batch)
-        assert sum(int(label_tokens(micro, task)) for micro in batch) == sum(label[i] for i in step)
+        assert sum(int(loss_positions(micro["labels"], task)) for micro in batch) == sum(label[i] for i in step)

@@ -94,3 +94,34 @@ def test_modes_change_through_the_top_module_without_a_walk_when_unchanged_and_f
     assert trainer.floating_point_ops(one) == 6 * one["input_ids"].numel() * parameters
     both = MicroBatches([one, two])
     assert trainer.floating_point_ops(both) == 6 * (32 + 24) * parameters
+
+
+def test_training_tells_the_loss_the_label_count_the_collator_counted_on_the_host(compose_cfg, tmp_path, monkeypatch):
+    """memory.loss=chunked picks the label rows by the count the collator took on the host, for the micro-batch
+    that trains (a device read of the count would stall the host); outside training (evaluation, the probes) the
+    loss counts them itself."""
+    from memfit.data import CountingCollator, load_and_tokenize, model_columns
+    from memfit.data.collate import loss_positions
+    from memfit.memory import loss
+    from memfit.memory.policy import training_arguments
+    from memfit.models import build_model, build_tokenizer
+    from memfit.training.trainer import build_trainer
+
+    cfg = compose_cfg("model=tiny_causal", *FAST, "trainer.max_steps=2", "trainer.batch_size=3")
+    tokenizer = build_tokenizer(cfg.model)
+    net = build_model(cfg, tokenizer, "cpu").model
+    datasets = {k: model_columns(v) for k, v in load_and_tokenize(cfg, tokenizer).datasets.items()}
+    collator = CountingCollator(tokenizer, cfg.memory.pad_to_multiple_of, "causal")
+    args = training_arguments(cfg, "cpu", str(tmp_path), has_eval=False)
+    trainer = build_trainer("causal", net, tokenizer, datasets, args, collator, [], loss="chunked")
+    told: list[tuple[int | None, int]] = []
+    label_rows = loss.label_rows
+
+    def counting(hidden, labels, task, positions=None):
+        told.append((positions, int(loss_positions(labels, task))))
+        return label_rows(hidden, labels, task, positions)
+
+    monkeypatch.setattr(loss, "label_rows", counting)
+    trainer.train()
+    assert len(told) == 2 and all(given == counted > 0 for given, counted in told)
+    assert trainer.loss_positions is None  # nothing left over for a later forward outside training

@@ -22,6 +22,13 @@ def model_columns(ds: Dataset) -> Dataset:
     return ds.remove_columns([c for c in AUDIT_COLUMNS if c in ds.column_names])
 
 
+def loss_positions(labels: Any, task: str) -> Any:
+    """How many label positions a batch's loss averages over, as a tensor on the labels' device (read back from no
+    GPU): labels not -100, a causal LM's shifted by one as transformers shifts them (its first label predicts
+    nothing)."""
+    return (labels[:, 1:] if task == "causal" else labels).ne(LABEL_PAD).sum()
+
+
 class CountingCollator:
     """Pads like DataCollatorForSeq2Seq (labels with -100) and counts the real tokens it hands to training.
 
@@ -47,6 +54,9 @@ class CountingCollator:
         self.padded_tokens = 0  # tokens with padding of the batches training has taken: what the device computed
         self.micro_batches = 0
         self.rows = 0  # samples of the micro-batches training has taken
+        # the label positions the loss of the batch training took last averages over, counted here on the host, so
+        # that the loss can pick those rows on the device without reading the labels back (memfit.memory.loss)
+        self.last_loss_positions: int | None = None
         # Collated but not yet trained on: the dataloader runs one batch ahead of training (accelerate looks ahead
         # for the end of the data), so counting at collation would count a batch that training never took.
         self._pending: collections.deque = collections.deque()
@@ -76,13 +86,14 @@ class CountingCollator:
                 tokens += sum(len(f["labels"]) for f in features)
                 padded_tokens += batch["labels"].numel()
             shapes = {k: tuple(v.shape) for k, v in batch.items() if hasattr(v, "shape")}
-            self._pending.append((tokens, padded_tokens, shapes, len(features)))
+            positions = int(loss_positions(batch["labels"], self.task)) if "labels" in batch else None
+            self._pending.append((tokens, padded_tokens, shapes, len(features), positions))
         return batch
 
     def consume(self) -> None:
         """Training takes the oldest collated batch (batches are trained in the order they were collated)."""
         if self._pending:
-            tokens, padded_tokens, self.last_shape, rows = self._pending.popleft()
+            tokens, padded_tokens, self.last_shape, rows, self.last_loss_positions = self._pending.popleft()
             self.tokens += tokens
             self.rows += rows
             self.padded_tokens += padded_tokens

@@ -150,7 +150,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 nll = -target_logp
                 if smoothing:
                     nll = (1 - smoothing) * nll - smoothing * logp[:, : head.vocab].mean(dim=-1, keepdim=True)
-                total += nll.squeeze(-1)[valid[rows]].sum()
+                total += torch.where(valid[rows], nll.squeeze(-1), 0.0).sum()  # no boolean index: no device read
                 if not any(grads):
                     continue
                 grad = torch.exp(logp, out=torch.empty(logp.shape, dtype=dtype, device=logp.device))  # softmax
@@ -263,18 +263,29 @@ def _head_captured(model: Any) -> Iterator[_Head]:
             base.final_logits_bias = extra
 
 
-def label_rows(hidden: torch.Tensor, labels: torch.Tensor, task: str) -> tuple[torch.Tensor, torch.Tensor]:
+def label_rows(
+    hidden: torch.Tensor, labels: torch.Tensor, task: str, positions: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The hidden states and labels of the positions that have a label: a causal LM's labels shifted by one, as
     transformers shifts them, and every -100 position left out, so the head runs over labels only. A causal LM's
     prompt (its labels are -100) is most of its positions on summarisation data: the standard head makes logits for
     all of them, at Qwen2.5's vocabulary 1.2 MB of float32 a position. Padding goes too. A batch without labels keeps
-    its rows (its loss is 0 either way)."""
-    if task == "causal":
-        hidden, labels = hidden[:, :-1], labels[:, 1:]
-    labelled = labels != IGNORE
-    if not bool(labelled.any()):
+    its rows (its loss is 0 either way).
+
+    `positions`: how many labels there are, where the host knows it (memfit.data.collate.loss_positions). Then the
+    rows are picked without the device telling the host how many there are: that read is a synchronisation, which
+    stalls the host's launching of the backward pass until the GPU has finished the forward."""
+    if task == "causal":  # each position's target is the next label: the last position has none
+        targets = torch.full_like(labels, IGNORE)
+        targets[:, :-1] = labels[:, 1:]
+        labels = targets
+    labelled = (labels != IGNORE).reshape(-1)
+    if positions is None:
+        positions = int(labelled.sum())
+    if positions == 0:
         return hidden, labels
-    return hidden[labelled], labels[labelled]
+    rows = torch.nonzero_static(labelled, size=positions).squeeze(1)
+    return hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows), labels.reshape(-1).index_select(0, rows)
 
 
 def model_loss(
@@ -284,6 +295,7 @@ def model_loss(
     label_smoothing: float = 0.0,
     chunk: int | None = None,
     kind: str = "chunked",
+    positions: int | None = None,
 ) -> Any:
     """The mean loss per label token of a batch (labels -100 left out), computed without the full logits: the model's
     own forward up to its head (autocast, checkpointing and LoRA as configured), then chunked_cross_entropy (or, with
@@ -295,7 +307,7 @@ def model_loss(
         inputs["decoder_input_ids"] = _base(model).prepare_decoder_input_ids_from_labels(labels=labels)
     with _head_captured(model) as head:
         model(**inputs)
-    hidden, labels = label_rows(head.hidden, labels, task)
+    hidden, labels = label_rows(head.hidden, labels, task, positions)
     if kind == "fused":
         return fused_cross_entropy(hidden, head.weight, labels, head.bias, label_smoothing, head.dtype)
     rows = chunk or rows_per_chunk(head.weight.shape[0])

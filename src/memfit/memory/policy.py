@@ -1,13 +1,14 @@
 """Memory policy → concrete knobs: allocator environment, the budget cap, and Trainer arguments.
 
-The allocator settings must be in place before CUDA initialises, so `apply_allocator_env` runs first
-thing in a run, before torch touches the device.
+The allocator settings belong in place before CUDA initialises, so `apply_allocator_env` runs first thing in a
+run, before torch touches the device (and hands them to an allocator already running).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,12 +54,21 @@ def hidden_gpus_problem(visible: str | None, driver_gpus: int, cuda_available: b
 
 
 def apply_allocator_env(memory: DictConfig) -> None:
-    """expandable_segments lowers fragmentation in long runs; it has to be set before CUDA starts."""
+    """expandable_segments lowers fragmentation in long runs (budget-shaped batches OOMed without it: benchmarks/
+    README.md, session 38). The allocator reads PYTORCH_CUDA_ALLOC_CONF when CUDA starts; where CUDA has started in
+    this process already (an earlier job of a Hydra multirun without the knob, a notebook), the settings are handed
+    to the running allocator too, whose new segments expand from then on, so that the run has what its checks
+    (config.validate.expandable_segments_on) assume."""
     if not memory.expandable_segments:
         return
     current = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    if "expandable_segments" not in current:
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, [current, "expandable_segments:True"]))
+    if "expandable_segments" in current:
+        return
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = settings = ",".join(filter(None, [current, "expandable_segments:True"]))
+    torch = sys.modules.get("torch")  # not imported yet: CUDA cannot have started
+    if torch is not None and torch.cuda.is_initialized():
+        running = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch 2.9 and later
+        (running or torch.cuda.memory._set_allocator_settings)(settings)
 
 
 def cpu_runs_bf16_fast() -> bool:
@@ -255,6 +265,11 @@ def training_arguments(cfg: DictConfig, device: str, output_dir: str, has_eval: 
         torch_empty_cache_steps=mem.empty_cache_steps,
         use_cpu=device == "cpu",
         dataloader_num_workers=t.dataloader_num_workers,
+        # no device synchronisation per micro-batch, so the host goes on launching kernels while the GPU runs
+        # (benchmarks/README.md, session 39): batches are copied from pinned memory without waiting, and no loss is
+        # read back to screen it for NaN (memfit stops the run at a non-finite logged loss: NonFiniteLoss)
+        accelerator_config={"non_blocking": device == "cuda"},
+        logging_nan_inf_filter=False,
         report_to="none",  # memfit owns the MLflow run (tracking.py)
         remove_unused_columns=False,  # datasets hold only model inputs; peft wrappers hide forward's signature
         disable_tqdm=bool(os.environ.get("CI")),

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from memfit.config import GIB
-from memfit.data import LABEL_PAD, CountingCollator
+from memfit.data import CountingCollator
+from memfit.data.collate import loss_positions
 from memfit.data.packing import MicroBatches
 from memfit.memory.meter import CudaMeter, HostMeter
 from memfit.training.peaks import MicroBatchPeaks
@@ -153,13 +154,6 @@ def make_callback(
     return cls(meter, tracker, collator, max_train_tokens)
 
 
-def label_tokens(batch: dict[str, Any], task: str) -> Any:
-    """The label positions a micro-batch's loss averages over (a causal LM predicts each token from the ones before
-    it: its first label predicts nothing)."""
-    labels = batch["labels"][:, 1:] if task == "causal" else batch["labels"]
-    return labels.ne(LABEL_PAD).sum()
-
-
 class _MemfitTraining:
     """Mixed into the Trainer class (before it): counts a batch's tokens when training takes it, and evaluation
     collates through the same collator without counting, so tokens/s and a token budget are about trained tokens.
@@ -178,6 +172,9 @@ class _MemfitTraining:
     step_sampler: Any = None  # trainer.effective_batch=tokens: memfit.data.packing.TokenStepSampler draws the steps
     flos_parameters: int | None = None  # the parameters Trainer's FLOPs estimate counts, counted once
     peaks: MicroBatchPeaks | None = None  # marks the meter around every micro-batch: which one training peaked on
+    # while a micro-batch trains: its label positions, counted by the collator on the host (memory.loss chunked or
+    # fused then picks those rows without reading the labels back from the device)
+    loss_positions: int | None = None
 
     def get_train_dataloader(self) -> Any:
         """Trainer's own, or one optimizer step per batch drawn by the step sampler (steps of unequal sample counts)."""
@@ -198,7 +195,7 @@ class _MemfitTraining:
         return self.accelerator.prepare(loader)
 
     def _shares(self, inputs: MicroBatches) -> list[Any]:
-        counts = [label_tokens(micro, self.task) for micro in inputs]
+        counts = [loss_positions(micro["labels"], self.task) for micro in inputs]
         total = sum(counts).clamp(min=1)  # a tensor: no device synchronisation
         return [count / total for count in counts]
 
@@ -210,7 +207,11 @@ class _MemfitTraining:
         if self.peaks is not None:
             self.peaks.starting(self.state.global_step + 1)
         self.data_collator.consume()  # this micro-batch is now trained on: count it, remember its shape
-        loss = super().training_step(model, inputs, *args, **kwargs)
+        self.loss_positions = self.data_collator.last_loss_positions
+        try:
+            loss = super().training_step(model, inputs, *args, **kwargs)
+        finally:
+            self.loss_positions = None
         if self.peaks is not None:
             self.peaks.finished(self.data_collator.last_shape)
         return loss
@@ -231,7 +232,8 @@ class _MemfitTraining:
             from memfit.memory.loss import model_loss
 
             smoothing = self.args.label_smoothing_factor
-            chunked = model_loss(model, inputs, self.task, smoothing, kind=self.memory_loss)
+            positions = self.loss_positions
+            chunked = model_loss(model, inputs, self.task, smoothing, kind=self.memory_loss, positions=positions)
             result = (chunked, {"loss": chunked}) if return_outputs else chunked
         else:
             result = super().compute_loss(model, inputs, return_outputs=return_outputs, **kwargs)
@@ -253,7 +255,7 @@ class _MemfitTraining:
         for micro, share in zip(inputs, self._shares(inputs), strict=True):
             mean = super().prediction_step(model, micro, True, **kwargs)[0]
             total = mean * share if total is None else total + mean * share
-            tokens = label_tokens(micro, self.task)
+            tokens = loss_positions(micro["labels"], self.task)
             self.eval_sums = (self.eval_sums[0] + mean * tokens, self.eval_sums[1] + tokens)
         return total, None, None
 
