@@ -265,11 +265,11 @@ def training_arguments(cfg: DictConfig, device: str, output_dir: str, has_eval: 
         torch_empty_cache_steps=mem.empty_cache_steps,
         use_cpu=device == "cpu",
         dataloader_num_workers=t.dataloader_num_workers,
-        # no device synchronisation per micro-batch, so the host goes on launching kernels while the GPU runs
-        # (benchmarks/README.md, session 39): batches are copied from pinned memory without waiting, and no loss is
-        # read back to screen it for NaN (memfit stops the run at a non-finite logged loss: NonFiniteLoss)
+        # batches copied from pinned memory without waiting for the copy, so the host goes on launching kernels
+        # while the GPU runs (benchmarks/README.md, session 39). Trainer's NaN screen of each micro-batch's loss
+        # (a device read) stays: a micro-batch whose labels were all cut has a NaN mean, which it keeps out of the
+        # logged loss that NonFiniteLoss judges
         accelerator_config={"non_blocking": device == "cuda"},
-        logging_nan_inf_filter=False,
         report_to="none",  # memfit owns the MLflow run (tracking.py)
         remove_unused_columns=False,  # datasets hold only model inputs; peft wrappers hide forward's signature
         disable_tqdm=bool(os.environ.get("CI")),
