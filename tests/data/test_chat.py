@@ -212,10 +212,33 @@ def test_a_run_says_how_many_conversations_truncation_cut_and_what_they_lose(tok
     )  # fmt: skip
     with caplog.at_level("WARNING", logger="memfit"):
         prepared = load_and_tokenize(cfg, tokenizer)
-    lost = int((prepared.label_raw - np.asarray(prepared.datasets["train"]["label_len_kept"])).sum())
-    assert lost > 0
+    # the three cut ones kept no assistant token, so they are left out too (the next test)
+    lost = int(prepared.label_raw.sum() - np.asarray(prepared.datasets["train"]["label_len_kept"]).sum())
+    assert lost > 0 and len(prepared.datasets["train"]) == 1
     assert (
         "3 conversation(s) longer than memory.max_source_length=40 / max_label_length=512 keep their start"
         in (caplog.text)
         and f"{lost} of their assistant tokens are not trained" in caplog.text
     )
+
+
+def test_a_conversation_cut_before_its_first_assistant_turn_is_left_out_with_a_warning(
+    tokenizer, compose_cfg, tmp_path, caplog
+):
+    """Truncation that keeps a long conversation's start can keep no assistant token: such a sample trains nothing
+    (alone in a micro-batch its mean loss is 0 / 0). It is left out with a warning, and a split of nothing else stops
+    with one line."""
+    long_question = [{"role": "user", "content": "Why? " * 60}, {"role": "assistant", "content": "Labels."}]
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION[1:3]}] * 3 + [{"messages": long_question}])
+    base = ("model=tiny_causal", "data=jsonl", f"data.path={path}", "data.style=messages", "data.chat_template=chatml")
+    cfg = compose_cfg(*base, "data.validation_fraction=0", "memory.max_source_length=40")
+    with caplog.at_level("WARNING", logger="memfit"):
+        prepared = load_and_tokenize(cfg, tokenizer)
+    train = prepared.datasets["train"]
+    assert len(train) == 3 and all(any(label != -100 for label in row[1:]) for row in train["labels"])
+    assert "1 train sample(s) kept no label token" in caplog.text
+
+    only_long = write_jsonl(tmp_path / "long.jsonl", [{"messages": long_question}] * 2)
+    cfg = compose_cfg(*base, f"data.path={only_long}", "data.validation_fraction=0", "memory.max_source_length=40")
+    with pytest.raises(DataError, match="no training sample kept a label token after truncation"):
+        load_and_tokenize(cfg, tokenizer)

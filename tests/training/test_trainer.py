@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -125,3 +127,29 @@ def test_training_tells_the_loss_the_label_count_the_collator_counted_on_the_hos
     trainer.train()
     assert len(told) == 2 and all(given == counted > 0 for given, counted in told)
     assert trainer.loss_positions is None  # nothing left over for a later forward outside training
+
+
+def test_a_micro_batch_whose_labels_were_all_cut_leaves_the_logged_loss_finite(compose_cfg, tmp_path):
+    """A sample whose response truncation cut away entirely has no label token: alone in a micro-batch its mean loss
+    is NaN. Trainer's NaN screen keeps it out of the logged loss, which memfit stops a run on when non-finite."""
+    from datasets import Dataset
+
+    from memfit.data import CountingCollator
+    from memfit.memory.policy import training_arguments
+    from memfit.models import build_model, build_tokenizer
+    from memfit.training.trainer import build_trainer
+
+    cfg = compose_cfg("model=tiny_causal", *FAST, "trainer.max_steps=3", "trainer.batch_size=1")
+    tokenizer = build_tokenizer(cfg.model)
+    net = build_model(cfg, tokenizer, "cpu").model
+    ids = [[101 + n + k for k in range(12)] for n in range(3)]
+    labels = [[-100] * 6 + row[6:] for row in ids]
+    labels[1] = [-100] * 12  # its response was cut away
+    train = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * 12] * 3, "labels": labels})
+    collator = CountingCollator(tokenizer, None, "causal")
+    args = training_arguments(cfg, "cpu", str(tmp_path), has_eval=False)
+    args.data_seed = args.seed  # the unlabelled sample's place in the epoch does not matter
+    trainer = build_trainer("causal", net, tokenizer, {"train": train}, args, collator, [])
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses)

@@ -105,7 +105,8 @@ def _num_proc(rows: int) -> int | None:
 
 
 def tokenize_split(pairs: list[dict[str, str]], tokenizer: Any, spec: TokenizeSpec) -> Dataset:
-    """Tokenize in batches, truncating sources and labels; keep the raw lengths for the audit. Nothing dropped."""
+    """Tokenize in batches, truncating sources and labels; keep the raw lengths for the audit. Nothing dropped here
+    (load_and_tokenize applies memory.overlength and leaves out samples that kept no label)."""
     from datasets import Dataset
 
     pairs_encode = _encode_seq2seq if spec.task == "seq2seq" else _encode_causal
@@ -146,6 +147,37 @@ def kept_mask(ds: Dataset, spec: TokenizeSpec) -> np.ndarray:
 def apply_overlength(ds: Dataset, spec: TokenizeSpec) -> Dataset:
     mask = kept_mask(ds, spec)
     return ds if mask.all() else ds.select(np.flatnonzero(mask))
+
+
+def without_unlabelled(ds: Dataset, task: str) -> tuple[Dataset, int]:
+    """The split without the samples that kept no label token (a conversation cut before its first assistant turn,
+    or one without any): they train nothing but cost their forward and backward passes, and alone in a micro-batch
+    their mean loss is 0 / 0, a NaN that only Trainer's screen keeps out of the logged loss. A causal LM's first
+    label predicts nothing, so it does not count. Returns the split and how many samples left it."""
+    import pyarrow.compute as pc
+
+    if len(ds) == 0:
+        return ds, 0
+    column = ds.with_format("arrow")["labels"].combine_chunks()
+    lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False)
+    labelled = column.flatten().to_numpy(zero_copy_only=False) != LABEL_PAD
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    if task == "causal":
+        labelled[starts[lengths > 0]] = False
+    counts = np.bincount(np.repeat(np.arange(len(lengths)), lengths), weights=labelled, minlength=len(lengths))
+    keep = counts > 0
+    return (ds, 0) if keep.all() else (ds.select(np.flatnonzero(keep)), int((~keep).sum()))
+
+
+def _leave_out_unlabelled(splits: dict[str, Dataset], task: str) -> None:
+    for name, ds in splits.items():
+        splits[name], left = without_unlabelled(ds, task)
+        if left:
+            log.warning(
+                "%d %s sample(s) kept no label token (truncation cut them before their first label, or they have "
+                "none): left out, as they would train nothing; raise memory.max_source_length to keep them",
+                left, name,
+            )  # fmt: skip
 
 
 def _say_cut_conversations(audit: LengthAudit, spec: TokenizeSpec) -> None:
@@ -209,6 +241,12 @@ def load_and_tokenize(cfg: DictConfig, tokenizer: Any) -> PreparedData:
         raise DataError(
             "memory.overlength=drop dropped every training sample: raise memory.max_source_length/max_label_length"
             " or use memory.overlength=truncate"
+        )
+    _leave_out_unlabelled(splits, cfg.model.task)
+    if len(splits["train"]) == 0:
+        raise DataError(
+            "no training sample kept a label token after truncation: raise memory.max_source_length (a "
+            "conversation keeps its start, and the start held no assistant turn)"
         )
     kept_labels = np.asarray(train["label_len_kept"]) if "label_len_kept" in train.column_names else None
     audit = audit_lengths(
