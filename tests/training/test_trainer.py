@@ -127,6 +127,9 @@ def test_training_tells_the_loss_the_label_count_the_collator_counted_on_the_hos
     trainer.train()
     assert len(told) == 2 and all(given == counted > 0 for given, counted in told)
     assert trainer.loss_positions is None  # nothing left over for a later forward outside training
+    for _ in range(3):  # past the batch the loader collated ahead: a batch not counted here claims no count
+        collator.consume()
+    assert collator.last_loss_positions is None
 
 
 def test_a_micro_batch_whose_labels_were_all_cut_leaves_the_logged_loss_finite(compose_cfg, tmp_path):

@@ -92,6 +92,7 @@ class CountingCollator:
 
     def consume(self) -> None:
         """Training takes the oldest collated batch (batches are trained in the order they were collated)."""
+        self.last_loss_positions = None  # unknown unless the batch was counted here
         if self._pending:
             tokens, padded_tokens, self.last_shape, rows, self.last_loss_positions = self._pending.popleft()
             self.tokens += tokens

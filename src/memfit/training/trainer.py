@@ -207,7 +207,7 @@ class _MemfitTraining:
         if self.peaks is not None:
             self.peaks.starting(self.state.global_step + 1)
         self.data_collator.consume()  # this micro-batch is now trained on: count it, remember its shape
-        self.loss_positions = self.data_collator.last_loss_positions
+        self.loss_positions = self._counted_positions(inputs)
         try:
             loss = super().training_step(model, inputs, *args, **kwargs)
         finally:
@@ -215,6 +215,15 @@ class _MemfitTraining:
         if self.peaks is not None:
             self.peaks.finished(self.data_collator.last_shape)
         return loss
+
+    def _counted_positions(self, inputs: Any) -> int | None:
+        """The label positions the collator counted for the batch training takes now, where its labels have the
+        shape the collator gave them (read on the host); else None, and the loss counts them on the device."""
+        collator = self.data_collator
+        labels = inputs.get("labels") if hasattr(inputs, "get") else None
+        if labels is None or tuple(labels.shape) != collator.last_shape.get("labels"):
+            return None
+        return collator.last_loss_positions
 
     def training_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         if not isinstance(inputs, MicroBatches):
