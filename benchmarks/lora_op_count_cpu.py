@@ -21,13 +21,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from lora_host_cost_cpu import VARIANTS as HOST_COST_VARIANTS  # noqa: E402
+from lora_host_cost_cpu import narrow_qwen  # noqa: E402
 from token_steps_convergence_cpu import compose  # noqa: E402
 
-VARIANTS = {
-    "balanced": [],
-    "lora dropout 0": ["model.lora.dropout=0"],
-    "memory.recompute_lora_dropout=false": ["memory.recompute_lora_dropout=false"],
-}
+COUNTED = ("balanced", "lora dropout 0", "memory.recompute_lora_dropout=false")  # the knobs that change LoRA's
+VARIANTS = {name: HOST_COST_VARIANTS[name] for name in COUNTED}
 
 
 def count_step(model, batch: dict, positions: int) -> tuple[collections.Counter, collections.Counter]:
@@ -64,13 +63,7 @@ def main() -> None:
     from memfit.models import build_model, build_tokenizer
 
     narrow = [
-        "model=qwen2_5_1_5b",
-        "model.architecture.hidden_size=64",
-        "model.architecture.intermediate_size=128",
-        "model.architecture.num_attention_heads=4",
-        "model.architecture.num_key_value_heads=2",
-        "model.architecture.vocab_size=30522",
-        f"model.tokenizer={args.tokenizer}",
+        *narrow_qwen(args.tokenizer),
         "memory=balanced",
         "memory.precision=fp32",
         "trainer.device=cpu",

@@ -152,8 +152,9 @@ def apply_overlength(ds: Dataset, spec: TokenizeSpec) -> Dataset:
 def without_unlabelled(ds: Dataset, task: str) -> tuple[Dataset, int]:
     """The split without the samples that kept no label token (a conversation cut before its first assistant turn,
     or one without any): they train nothing but cost their forward and backward passes, and alone in a micro-batch
-    their mean loss is 0 / 0, a NaN that only Trainer's screen keeps out of the logged loss. A causal LM's first
-    label predicts nothing, so it does not count. Returns the split and how many samples left it."""
+    their mean loss is 0 / 0, a NaN that only Trainer's screen keeps out of the logged loss. Counted as
+    memfit.data.collate.loss_positions counts a batch (a causal LM's first label predicts nothing), here over the
+    Arrow column at once. Returns the split and how many samples left it."""
     import pyarrow.compute as pc
 
     if len(ds) == 0:
