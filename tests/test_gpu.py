@@ -307,7 +307,8 @@ def test_the_chunked_loss_over_a_causal_lms_label_rows_never_synchronises_the_de
         loss.backward()
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert rows.shape[0] == positions == 3 * 14 and torch.isfinite(loss)
+    # every row's 15 label tokens (positions 25-39) are predicted: the causal shift drops position 0, a prompt's
+    assert rows.shape[0] == positions == 3 * 15 and torch.isfinite(loss)
 
 
 def test_expandable_segments_reach_an_allocator_that_started_before_the_run():

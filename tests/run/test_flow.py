@@ -76,6 +76,25 @@ def test_tiny_run_records_loss_beside_peak_memory(compose_cfg, tmp_path, model):
     assert recorded.info.artifact_uri.startswith((Path(cfg.output_dir) / "mlartifacts").as_uri())  # not ./mlruns
 
 
+def test_the_preflight_keeps_what_a_long_runs_cache_grows_below_its_limit(compose_cfg, monkeypatch, caplog):
+    """The meter's cache_growth (what a long run's allocator cache holds beyond a fresh probe: 64 MiB on CUDA, none
+    for host RSS) comes off the limit every peak is judged against, the preflight says so, and training's growth is
+    read past the judged worst case: the measured worst batch plus what was kept."""
+    from memfit.config import GIB
+    from memfit.memory.meter import HostMeter
+
+    kept = 0.25
+    monkeypatch.setattr(HostMeter, "cache_growth", int(kept * GIB))
+    cfg = compose_cfg("model=tiny_seq2seq", *FAST, "budget.gib=6", "tracking=none")
+    with caplog.at_level("INFO", logger="memfit"):
+        report = run(cfg)
+    assert report.status == "ok"
+    assert report.limit_gib == pytest.approx(6 - cfg.budget.margin_gib - kept, abs=1e-6)
+    assert "minus margin and 0.25 GiB for a long run's cache" in caplog.text
+    judged = report.worst_case_peak_gib + kept
+    assert report.reserved_over_preflight_gib == pytest.approx(report.peak_reserved_gib - judged)
+
+
 def test_lora_trains_only_the_adapters(compose_cfg):
     cfg = compose_cfg("model=tiny_causal", *FAST, "tracking=none")
     from memfit.models import build_model, build_tokenizer

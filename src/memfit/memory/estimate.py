@@ -13,6 +13,7 @@ from typing import Any
 from memfit.config import GIB
 from memfit.data.audit import BatchShape
 from memfit.memory.model import PeakEstimate
+from memfit.memory.preflight import growth_note
 from memfit.memory.state import ModelStateBytes
 
 
@@ -37,6 +38,7 @@ class Estimate:
     budget_label: str = "budget"  # what the budget is: budget.gib, or without it the device's memory
     # what each memory knob left off would hold less at the worst batch (memory.savings.knob_savings)
     savings: dict[str, int] = field(default_factory=dict)
+    cache_growth: int = 0  # kept below the limit for a long run's allocator cache (memory.meter)
 
     @property
     def fits(self) -> bool | None:
@@ -74,7 +76,8 @@ class Estimate:
     def summary(self) -> str:
         what = self.shape.describe(self.task)
         parts = ", ".join(f"{name} {size(value)}" for name, value in self._parts().items())
-        limit = f"limit {size(self.limit)} ({self.budget_label} {size(self.budget)} minus margin)"
+        growth = growth_note(self.cache_growth)
+        limit = f"limit {size(self.limit)} ({self.budget_label} {size(self.budget)} minus margin{growth})"
         if self.peak is None:
             return "\n".join(
                 [

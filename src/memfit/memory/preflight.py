@@ -29,6 +29,7 @@ class PreflightReport:
     task: str
     suggestions: list[str] = field(default_factory=list)
     budget_label: str = "budget"  # what the budget is: budget.gib, or without it the device's memory
+    cache_growth: int = 0  # kept below the limit for a long run's allocator cache (memory.meter)
     max_batch: int | None = None
     max_batch_cap: str | None = None  # where the largest-batch search stopped at a cap of its own, or why none fits
     seconds: float = 0.0
@@ -99,7 +100,8 @@ class PreflightReport:
         verdict = "fits" if self.passed else "does NOT fit"
         head = (
             f"preflight: the worst batch {verdict} the budget: limit {self.limit_bytes / GIB:.2f} GiB "
-            f"({self.budget_label} {self.budget_bytes / GIB:.2f} GiB minus margin, {self.meter}), "
+            f"({self.budget_label} {self.budget_bytes / GIB:.2f} GiB minus margin{growth_note(self.cache_growth)}, "
+            f"{self.meter}), "
         )
         if self.passed:
             head += f"headroom {self.headroom_bytes / GIB:+.2f} GiB"
@@ -118,6 +120,11 @@ class PreflightReport:
             lines.append("  ways out, largest expected saving first (estimates from the measured peak):")
             lines += [f"    {i}. {s}" for i, s in enumerate(self.suggestions, 1)]
         return "\n".join(lines)
+
+
+def growth_note(cache_growth: int) -> str:
+    """How a limit's text names what it keeps for a long run's allocator cache (nothing where it keeps none)."""
+    return f" and {cache_growth / GIB:.2f} GiB for a long run's cache" if cache_growth else ""
 
 
 def fits(probes: list[Probe], limit: int) -> bool:

@@ -142,7 +142,7 @@ def plan_batches(ctx: RunContext, setup: TrainingSetup) -> WorstCase:
     longest = BatchShape(1, padded(int(source.max(initial=1)), multiple), padded(int(label.max(initial=1)), multiple))
 
     report = PreflightReport(False, [], limit, budget, ctx.meter.label, cfg.model.task)
-    report.budget_label = ctx.cap.judged_against
+    report.budget_label, report.cache_growth = ctx.cap.judged_against, ctx.meter.cache_growth
     with progress_bar("batch plan", None) as show:
 
         def measure(shape: Any) -> Any:

@@ -35,8 +35,9 @@ class RunReport:
     predicted_peak_gib: float | None = None  # the memory model's prediction (reserved) for the worst batch
     calibration: str | None = None  # the memory model's calibration file, for the sweeper's predictions
     alloc_retries: int | None = None  # times training's allocator freed its cache to stay under the cap (slow steps)
-    # training's peak reserved minus the preflight's judged worst case: > 0 where a long run's allocator cache grew
-    # past what a fresh probe holds (held under budget.gib by the cap on CUDA, docs/batching.md)
+    # training's peak reserved minus the preflight's judged worst case (its worst batch's measured reserved plus the
+    # meter's cache_growth): > 0 where a long run's allocator cache grew past that (held under budget.gib by the cap
+    # on CUDA, docs/preflight.md)
     reserved_over_preflight_gib: float | None = None
     mean_micro_batch: float | None = None  # rows per micro-batch that training took, on average
     peak_where: str | None = None  # the step and micro-batch (padded shape) training's allocated peak was on

@@ -50,14 +50,16 @@ def probe_setup(ctx: RunContext, setup: TrainingSetup) -> Any:
 
 
 def budget_and_limit(ctx: RunContext) -> tuple[int, int]:
-    """The budget in bytes and the limit a peak is judged against (budget minus margin)."""
+    """The budget in bytes and the limit a measured peak is judged against: budget minus margin, minus what a long
+    run's allocator cache holds beyond a fresh probe (the meter's cache_growth), so that a whole run stays within
+    budget minus margin."""
     cap, meter = ctx.cap, ctx.meter
     budget = cap.budget_bytes or (cap.fraction or 1.0) * meter.total_bytes()
     if ctx.device != "cuda":  # nothing caps host allocations: never probe past the memory the host has free
         import psutil
 
         budget = min(budget, psutil.virtual_memory().available + meter.current_bytes())
-    return int(budget), limit_bytes(budget, ctx.cfg.budget.margin_gib)
+    return int(budget), limit_bytes(budget, ctx.cfg.budget.margin_gib) - ctx.meter.cache_growth
 
 
 def calibrate(ctx: RunContext, setup: TrainingSetup, probes: Any) -> Any:
@@ -146,7 +148,7 @@ def estimate(ctx: RunContext, setup: TrainingSetup) -> RunReport:
         _knob_savings(ctx, model),
     )
     result.largest_cap = _cap_note(result.largest_batch, upper, samples)  # as preflight_only says it
-    result.budget_label = ctx.cap.judged_against
+    result.budget_label, result.cache_growth = ctx.cap.judged_against, ctx.meter.cache_growth
     ctx.tracker.log_metrics(result.metrics(), step=0)
     ctx.tracker.log_text(result.summary(), "estimate.txt")
     print(result.summary())
@@ -280,7 +282,7 @@ def run_preflight(ctx: RunContext, setup: TrainingSetup) -> WorstCase:
             each.predicted_bytes = calibration.estimate(each.shape).reserved
     passed = fits(measured, limit)
     report = PreflightReport(passed, measured, limit, budget, ctx.meter.label, cfg.model.task)
-    report.budget_label = ctx.cap.judged_against
+    report.budget_label, report.cache_growth = ctx.cap.judged_against, ctx.meter.cache_growth
     train_probes = [p for p in measured if p.phase == "train"]
     predicted = _log_prediction(ctx, calibration, max(train_probes, key=lambda p: (p.oom, p.judged_bytes)))
     if cfg.preflight.find_max_batch or cfg.preflight_only:  # "how large a batch can I afford?", fit or not
