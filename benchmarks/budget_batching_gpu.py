@@ -112,7 +112,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     data = work / "long_tail.jsonl"
     dataset = build_dataset(data, samples=args.samples, seed=args.data_seed)
-    results: dict = {"command": " ".join(sys.argv), "dataset": dataset}
+    results: dict = {"command": " ".join(sys.argv), "dataset": dataset, "host": host_cpu()}
     common = [
         *epoch_overrides(args.model, data, args.device),
         "tracking=none",
@@ -135,6 +135,17 @@ def main() -> None:
     print(summary(results), flush=True)
 
 
+def host_cpu() -> dict:
+    """The CPU beside the GPU: a LoRA model's small fixed batches are bound by the host launching kernels, so the
+    same arms ran 1.4-1.7× apart on two H100 hosts (benchmarks/README.md, "Session 39")."""
+    import os
+
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return {"cpu": names[0] if names else None, "cpus": os.cpu_count()}
+
+
 def summary(results: dict) -> str:
     lines = []
     for key, arms in results.items():
@@ -153,19 +164,26 @@ def summary(results: dict) -> str:
 
 
 def round_ratios(arms: dict) -> list[str]:
-    """With --rounds: each round's (c) over (a) and over (b), and the ratio of the arms' medians."""
+    """With --rounds: each round's (c) over (a) and over (b), and the ratio of the arms' medians, from the whole
+    epoch's measured tokens/s (what the issue's goal reads) and from the steady steps' rates."""
     import statistics
 
-    def speeds(arm: str) -> list[float]:
+    def speeds(arm: str, rate: str) -> list[float]:
         keys = [arm, *sorted(k for k in arms if k.startswith(f"{arm}_round"))]
-        return [arms[k]["tokens_per_s"] for k in keys if arms.get(k, {}).get("tokens_per_s")]
+        return [arms[k][rate] for k in keys if arms.get(k, {}).get(rate)]
 
-    a, b, c = speeds("a_fixed_full_labels"), speeds("b_fixed_cut_labels"), speeds("c_budget")
-    if len(c) < 2 or not (a and b):
-        return []
-    pairs = [f"{x / y:.2f}×/{x / z:.2f}×" for x, y, z in zip(c, a, b, strict=False)]
-    medians = statistics.median(c) / statistics.median(a), statistics.median(c) / statistics.median(b)
-    return [f"  rounds, (c) over (a)/(b): {', '.join(pairs)}; medians {medians[0]:.2f}×/{medians[1]:.2f}×"]
+    lines = []
+    for rate, what in (("epoch_tokens_per_s_measured", "epoch"), ("tokens_per_s", "steady")):
+        a, b, c = (speeds(arm, rate) for arm in ("a_fixed_full_labels", "b_fixed_cut_labels", "c_budget"))
+        if len(c) < 2 or not (a and b):
+            continue
+        pairs = [f"{x / y:.2f}×/{x / z:.2f}×" for x, y, z in zip(c, a, b, strict=False)]
+        medians = statistics.median(c) / statistics.median(a), statistics.median(c) / statistics.median(b)
+        lines.append(
+            f"  rounds, {what} tokens/s, (c) over (a)/(b): {', '.join(pairs)}; "
+            f"medians {medians[0]:.2f}×/{medians[1]:.2f}×"
+        )
+    return lines
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ def budget_and_limit(ctx: RunContext) -> tuple[int, int]:
         import psutil
 
         budget = min(budget, psutil.virtual_memory().available + meter.current_bytes())
-    return int(budget), limit_bytes(budget, ctx.cfg.budget.margin_gib) - ctx.meter.cache_growth
+    return int(budget), limit_bytes(budget, ctx.cfg.budget.margin_gib) - meter.cache_growth
 
 
 def calibrate(ctx: RunContext, setup: TrainingSetup, probes: Any) -> Any:
