@@ -100,6 +100,19 @@ def test_the_preflight_catches_what_the_cap_would_kill(compose_cfg):
     assert "OUT OF MEMORY" in report.reason or "does NOT fit" in report.reason
 
 
+def test_the_preflight_on_cuda_keeps_a_long_runs_cache_growth_below_its_limit(compose_cfg):
+    """On CUDA every peak is judged against budget - margin - the meter's cache_growth, and training's reserved
+    stays within the judged worst case (the worst batch's measured reserved plus that growth)."""
+    from memfit.config import GIB
+    from memfit.memory.meter import LONG_RUN_CACHE_GROWTH
+
+    cfg = compose_cfg(*GPU_RUN, "budget.gib=8")
+    report = run(cfg)
+    assert report.status == "ok" and report.steps == 3, report.reason
+    assert report.limit_gib == pytest.approx(8 - cfg.budget.margin_gib - LONG_RUN_CACHE_GROWTH / GIB, abs=1e-6)
+    assert report.reserved_over_preflight_gib is not None and report.reserved_over_preflight_gib <= 0
+
+
 def test_a_model_whose_weights_exceed_the_budget_stops_before_a_weight_reaches_the_gpu(compose_cfg):
     cfg = compose_cfg(*GPU_RUN, "model=qwen2_5_7b", "model.lora.enabled=false", "budget.gib=20")
     before = torch.cuda.memory_allocated()
