@@ -78,21 +78,24 @@ def test_tiny_run_records_loss_beside_peak_memory(compose_cfg, tmp_path, model):
 
 def test_the_preflight_keeps_what_a_long_runs_cache_grows_below_its_limit(compose_cfg, monkeypatch, caplog):
     """The meter's cache_growth (what a long run's allocator cache holds beyond a fresh probe: 64 MiB on CUDA, none
-    for host RSS) comes off the limit every peak is judged against, the preflight says so, and training's growth is
-    read past the judged worst case: the measured worst batch plus what was kept."""
+    for host RSS) comes off the limit every peak is judged against, the preflight says so, and the run reports its
+    judged worst case, the measured worst batch plus what was kept, against budget minus margin; training's growth
+    is read past that."""
     from memfit.config import GIB
     from memfit.memory.meter import HostMeter
 
     kept = 0.25
     monkeypatch.setattr(HostMeter, "cache_growth", int(kept * GIB))
-    cfg = compose_cfg("model=tiny_seq2seq", *FAST, "budget.gib=6", "tracking=none")
+    cfg = compose_cfg("model=tiny_seq2seq", *FAST, "budget.gib=6")
     with caplog.at_level("INFO", logger="memfit"):
         report = run(cfg)
     assert report.status == "ok"
-    assert report.limit_gib == pytest.approx(6 - cfg.budget.margin_gib - kept, abs=1e-6)
-    assert "minus margin and 0.25 GiB for a long run's cache" in caplog.text
-    judged = report.worst_case_peak_gib + kept
-    assert report.reserved_over_preflight_gib == pytest.approx(report.peak_reserved_gib - judged)
+    assert "limit 5.25 GiB (budget 6.00 GiB minus margin and 0.25 GiB for a long run's cache" in caplog.text
+    assert report.limit_gib == pytest.approx(6 - cfg.budget.margin_gib, abs=1e-6)
+    client, runs = _runs(cfg.output_dir)
+    measured = client.get_run(runs[0].info.run_id).data.metrics["preflight/peak_reserved_gib"]
+    assert report.worst_case_peak_gib == pytest.approx(measured + kept)
+    assert report.reserved_over_preflight_gib == pytest.approx(report.peak_reserved_gib - report.worst_case_peak_gib)
 
 
 def test_lora_trains_only_the_adapters(compose_cfg):

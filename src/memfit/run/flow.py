@@ -126,9 +126,9 @@ def _with_worst_case(report: RunReport, ctx: RunContext, worst: WorstCase) -> Ru
         report.calibration = calibration_path(ctx.cfg.calibration.cache_dir, worst.calibration)
         report.predicted_peak_gib = worst.predicted_peak_gib
     if worst.report is not None and worst.report.probes:
-        judged = worst.report.worst
-        report.worst_case_peak_gib = judged.judged_bytes / GIB
-        report.limit_gib = worst.report.limit_bytes / GIB
+        judged, kept = worst.report.worst, ctx.meter.cache_growth  # kept below the limit: run.worst_case
+        report.worst_case_peak_gib = (judged.judged_bytes + kept) / GIB  # judged as the preflight judged it
+        report.limit_gib = (worst.report.limit_bytes + kept) / GIB  # budget minus margin
         report.worst_case_shape = [judged.shape.batch, judged.shape.source, judged.shape.label]
         report.max_batch = worst.report.max_batch
     report.phase_seconds = dict(ctx.clock.seconds)
@@ -137,13 +137,12 @@ def _with_worst_case(report: RunReport, ctx: RunContext, worst: WorstCase) -> Ru
 
 def _growth_past_preflight(report: RunReport, ctx: RunContext) -> None:
     """How far training's peak reserved memory went past the preflight's judged worst case (the worst batch's
-    measured reserved plus what the preflight kept below its limit for a long run's allocator cache, which a fresh
-    probe does not hold: issue 26). Logged on every run that trained after a preflight; on CUDA, growth that took it
-    past that limit (into the budget's margin) is also said, with what held it."""
+    measured reserved plus what the preflight kept for a long run's allocator cache, which a fresh probe does not
+    hold: issue 26). Logged on every run that trained after a preflight; on CUDA, growth that took it past budget
+    minus margin is also said, with what held it."""
     if not report.steps or report.worst_case_peak_gib is None or report.peak_reserved_gib is None:
         return
-    kept = ctx.meter.cache_growth / GIB
-    growth = report.peak_reserved_gib - (report.worst_case_peak_gib + kept)
+    growth = report.peak_reserved_gib - report.worst_case_peak_gib
     report.reserved_over_preflight_gib = growth
     ctx.tracker.log_metrics({"summary/reserved_over_preflight_gib": growth}, step=report.steps)
     if ctx.device == "cuda" and report.limit_gib is not None and (report.peak_allocated_gib or 0) > report.limit_gib:
@@ -155,15 +154,15 @@ def _growth_past_preflight(report: RunReport, ctx: RunContext) -> None:
             report.limit_gib,
             report.peak_where or "where is not known",
         )
-    if ctx.device == "cuda" and report.limit_gib is not None and report.peak_reserved_gib > report.limit_gib + kept:
+    if ctx.device == "cuda" and report.limit_gib is not None and report.peak_reserved_gib > report.limit_gib:
         log.warning(
             "training's reserved memory reached %.2f GiB, %.2f GiB past the preflight's judged %.2f GiB for the "
             "worst batch and over the budget minus margin, %.2f GiB: allocator cache grown over the run, which the "
             "budget's cap bounds (%d allocator retries; docs/batching.md)",
             report.peak_reserved_gib,
             growth,
-            report.worst_case_peak_gib + kept,
-            report.limit_gib + kept,
+            report.worst_case_peak_gib,
+            report.limit_gib,
             report.alloc_retries or 0,
         )
 

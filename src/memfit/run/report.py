@@ -16,8 +16,10 @@ class RunReport:
     objective: float | None = None  # tokens/s of training
     peak_allocated_gib: float | None = None
     peak_reserved_gib: float | None = None
-    worst_case_peak_gib: float | None = None  # the preflight's measured peak (reserved) on the worst batch
-    limit_gib: float | None = None  # what the preflight judged it against (budget minus margin)
+    # the preflight's judged worst case: its measured peak reserved on the worst batch, plus what it keeps for a long
+    # run's allocator cache on CUDA (memory.meter's cache_growth, 64 MiB; none on the host)
+    worst_case_peak_gib: float | None = None
+    limit_gib: float | None = None  # what the judged worst case must stay within: budget minus margin
     worst_case_shape: list[int] | None = None  # [batch, source, label]
     max_batch: int | None = None
     max_batch_cap: int | None = None  # where the largest-batch search stopped looking (limit or training samples)
@@ -35,9 +37,8 @@ class RunReport:
     predicted_peak_gib: float | None = None  # the memory model's prediction (reserved) for the worst batch
     calibration: str | None = None  # the memory model's calibration file, for the sweeper's predictions
     alloc_retries: int | None = None  # times training's allocator freed its cache to stay under the cap (slow steps)
-    # training's peak reserved minus the preflight's judged worst case (its worst batch's measured reserved plus the
-    # meter's cache_growth): > 0 where a long run's allocator cache grew past that (held under budget.gib by the cap
-    # on CUDA, docs/preflight.md)
+    # training's peak reserved minus the preflight's judged worst case: > 0 where a long run's allocator cache grew
+    # past it (held under budget.gib by the cap on CUDA, docs/preflight.md)
     reserved_over_preflight_gib: float | None = None
     mean_micro_batch: float | None = None  # rows per micro-batch that training took, on average
     peak_where: str | None = None  # the step and micro-batch (padded shape) training's allocated peak was on

@@ -156,7 +156,7 @@ def estimate(ctx: RunContext, setup: TrainingSetup) -> RunReport:
         status="ok",
         steps=0,
         predicted_peak_gib=result.peak.reserved / GIB if result.peak else None,
-        limit_gib=limit / GIB,
+        limit_gib=(limit + ctx.meter.cache_growth) / GIB,  # budget minus margin, as a trained run reports it
         max_batch=result.largest_batch,
         max_batch_cap=upper,
         calibration=calibration_path(cfg.calibration.cache_dir, calibration),
