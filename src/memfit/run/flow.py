@@ -122,11 +122,13 @@ def _with_worst_case(report: RunReport, ctx: RunContext, worst: WorstCase) -> Ru
     report.run_id, report.meter = ctx.tracker.run_id, ctx.meter.label
     report.label_coverage = ctx.prepared.audit.label_coverage
     report.source_coverage = ctx.prepared.audit.source_coverage
+    kept = ctx.meter.cache_growth  # what the preflight kept below its limit for a long run's cache (run.worst_case)
     if worst.calibration is not None:
         report.calibration = calibration_path(ctx.cfg.calibration.cache_dir, worst.calibration)
-        report.predicted_peak_gib = worst.predicted_peak_gib
+        if worst.predicted_peak_gib is not None:
+            report.predicted_peak_gib = worst.predicted_peak_gib + kept / GIB  # beside the judged worst case
     if worst.report is not None and worst.report.probes:
-        judged, kept = worst.report.worst, ctx.meter.cache_growth  # kept below the limit: run.worst_case
+        judged = worst.report.worst
         report.worst_case_peak_gib = (judged.judged_bytes + kept) / GIB  # judged as the preflight judged it
         report.limit_gib = (worst.report.limit_bytes + kept) / GIB  # budget minus margin
         report.worst_case_shape = [judged.shape.batch, judged.shape.source, judged.shape.label]

@@ -34,7 +34,8 @@ class RunReport:
     steps: int = 0
     run_id: str | None = None
     meter: str | None = None
-    predicted_peak_gib: float | None = None  # the memory model's prediction (reserved) for the worst batch
+    # the memory model's prediction (reserved) for the worst batch, judged as worst_case_peak_gib is
+    predicted_peak_gib: float | None = None
     calibration: str | None = None  # the memory model's calibration file, for the sweeper's predictions
     alloc_retries: int | None = None  # times training's allocator freed its cache to stay under the cap (slow steps)
     # training's peak reserved minus the preflight's judged worst case: > 0 where a long run's allocator cache grew

@@ -155,8 +155,9 @@ def estimate(ctx: RunContext, setup: TrainingSetup) -> RunReport:
     return RunReport(
         status="ok",
         steps=0,
-        predicted_peak_gib=result.peak.reserved / GIB if result.peak else None,
-        limit_gib=(limit + ctx.meter.cache_growth) / GIB,  # budget minus margin, as a trained run reports it
+        # as a trained run reports them: judged with the long run's cache growth, against budget minus margin
+        predicted_peak_gib=(result.peak.reserved + ctx.meter.cache_growth) / GIB if result.peak else None,
+        limit_gib=(limit + ctx.meter.cache_growth) / GIB,
         max_batch=result.largest_batch,
         max_batch_cap=upper,
         calibration=calibration_path(cfg.calibration.cache_dir, calibration),
