@@ -45,23 +45,6 @@ ACTIONS = (
 )
 
 
-def _overrides(args: argparse.Namespace) -> list[str]:
-    return [
-        f"model={args.model}",
-        "memory=balanced",
-        f"memory.gradient_checkpointing={str(args.checkpointing == 'on').lower()}",
-        "memory.eval_enabled=false",
-        "data.max_train_samples=32",
-        "tracking=none",
-        "budget.gib=null",
-        f"calibration.cache_dir={args.work}/calibration",
-        f"output_dir={args.work}/outputs",
-        f"trainer.device={args.device}",
-        *([f"model.tokenizer={args.tokenizer}"] if args.tokenizer else []),
-        *args.set,
-    ]
-
-
 def _shapes(cfg, arch, held_apart: str, model: str) -> list[tuple[str, object]]:
     """(kind, shape): the calibration's first-choice probe shapes, then the held-apart ones."""
     from memory_model_gpu import HELD_APART, SHAPES
@@ -152,12 +135,13 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "src"))
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import numpy as np
-    from memory_model_gpu import compose, probe_context
+    from memory_model_gpu import compose, group_overrides, probe_context
 
     from memfit.memory.model import describe_architecture
     from memfit.memory.policy import apply_allocator_env
 
-    cfg = compose(_overrides(args))
+    overrides = group_overrides(args.model, args.checkpointing == "on", args)
+    cfg = compose(overrides)
     apply_allocator_env(cfg.memory)  # expandable segments, as the runs whose reserved memory this is about
     built, setup = probe_context(cfg, args.device)
     arch = describe_architecture(built.model, cfg.model.task)
@@ -175,7 +159,7 @@ def main() -> None:
         row = {"key": key, "kind": kind, "shape": [shape.batch, shape.source, shape.label], "events": counts}
         shapes.append({**row, **_peaks(result), "seconds": time.perf_counter() - started})
         print(json.dumps(shapes[-1]), flush=True)
-        meta = {"command": " ".join(sys.argv), "model": args.model, "overrides": _overrides(args), "actions": ACTIONS}
+        meta = {"command": " ".join(sys.argv), "model": args.model, "overrides": overrides, "actions": ACTIONS}
         np.savez_compressed(args.out, shapes=np.array(json.dumps(shapes)), meta=np.array(json.dumps(meta)), **arrays)
 
 

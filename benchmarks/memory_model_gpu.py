@@ -243,16 +243,10 @@ def hidden_size(model) -> int:
     return int(getattr(config, "d_model", None) or getattr(config, "hidden_size", None) or config.decoder.hidden_size)
 
 
-def measure_model(name: str, checkpointing: bool, args, out: dict, save) -> None:
-    import torch
-
-    from memfit.data.audit import BatchShape
-    from memfit.memory.calibration import calibrate
-    from memfit.memory.model import describe_architecture, splits_branches
-    from memfit.memory.probe import probe
-    from memfit.memory.state import model_state_bytes
-
-    overrides = [
+def group_overrides(name: str, checkpointing: bool, args) -> list[str]:
+    """One group's config: the model under memory=balanced, no budget, no tracking, `args.set` last (args: --work,
+    --device, --tokenizer, --set)."""
+    return [
         f"model={name}",
         "memory=balanced",
         f"memory.gradient_checkpointing={str(checkpointing).lower()}",
@@ -266,7 +260,18 @@ def measure_model(name: str, checkpointing: bool, args, out: dict, save) -> None
         *([f"model.tokenizer={args.tokenizer}"] if args.tokenizer else []),
         *args.set,
     ]
-    cfg = compose(overrides)
+
+
+def measure_model(name: str, checkpointing: bool, args, out: dict, save) -> None:
+    import torch
+
+    from memfit.data.audit import BatchShape
+    from memfit.memory.calibration import calibrate
+    from memfit.memory.model import describe_architecture, splits_branches
+    from memfit.memory.probe import probe
+    from memfit.memory.state import model_state_bytes
+
+    cfg = compose(group_overrides(name, checkpointing, args))
     started = time.perf_counter()
     built, setup = probe_context(cfg, args.device)
     build_s = time.perf_counter() - started
