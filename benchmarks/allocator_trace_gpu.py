@@ -1,7 +1,7 @@
 """Allocation traces of memfit's probes, to replay the CUDA caching allocator offline (issue 26's reserved memory).
 
     python benchmarks/allocator_trace_gpu.py --tokenizer .gpu/tok --model pegasus_large --checkpointing on \
-        --set memory.loss=standard --held-apart run18 --out $OUT/allocator_trace_pegasus_large_ckpt_standard.npz
+        --set memory.loss=standard --held-apart run18 --sites 8 --out $OUT/sites_pegasus_large_ckpt_standard.npz
 
 For one model (memory=balanced, checkpointing on or off, the loss of `--set`), the calibration's own probe shapes
 and a run's held-apart shapes (memory_model_gpu.py's HELD_APART), each probed as the preflight probes it (two
@@ -9,13 +9,13 @@ optimizer steps on a batch of exactly that shape: memfit.memory.probe.probe) whi
 `torch.cuda.memory._record_memory_history` records every allocator event. Per shape, --out (one compressed .npz)
 holds the allocator's state when recording began (`<key>.state`: its segments and their blocks, as JSON: the
 weights and whatever else lives then), the events in order (`<key>.action`, indices into ACTIONS; `<key>.addr`,
-`<key>.size`, `<key>.stream`) and the probe's measured peaks (`shapes`: JSON, each shape with its key, kind,
-peaks and event count).
+`<key>.size`, `<key>.stream`; with `--sites N`, `<key>.site`: each allocation's call site, its innermost N Python
+frames, as an index into `meta`'s "sites") and the probe's measured peaks (`shapes`: JSON, each shape with its key,
+kind, peaks and event count). `--calibrate` calibrates first, as a run without a cached calibration does.
 
 Why: what checkpointed seq2seq reserves beyond allocated varies by up to 1 GB between like shapes (run 18), which no
-fitted line reaches (`benchmarks/reserved_candidates_cpu.py`). A replay of the allocator's block placement, with the
-probes' allocation sizes scaled to a new shape, might; these traces are what such a replay is designed and scored on
-(first: does replaying a shape's own trace give its measured reserved?).
+fitted line reaches (`benchmarks/reserved_candidates_cpu.py`). `allocator_replay_cpu.py` replays these traces
+(exactly, session 41) and predicts held-apart shapes from the calibration shapes' traces.
 
 `--device cpu --model tiny_seq2seq --held-apart standard` runs the same plumbing without traces (the host has no
 caching allocator), as a smoke test.
@@ -61,17 +61,31 @@ def _shapes(cfg, arch, held_apart: str, model: str) -> list[tuple[str, object]]:
     return [("probe", shape) for shape in probes] + [("held_apart", shape) for shape in held]
 
 
-def _events(snapshot: dict) -> dict:
+def _signature(frames: list[dict], depth: int) -> str:
+    """Where an allocation was made, the same at every shape: the innermost Python frames, file name and line."""
+    return "|".join(f"{Path(f['filename']).name}:{f['line']}:{f['name']}" for f in frames[:depth])
+
+
+def _events(snapshot: dict, signatures: dict[str, int], depth: int) -> dict:
     import numpy as np
 
     trace = snapshot["device_traces"][0] if snapshot.get("device_traces") else []
     index = {name: i for i, name in enumerate(ACTIONS)}
-    return {
+    events = {
         "action": np.array([index.get(e["action"], -1) for e in trace], dtype=np.int8),
         "addr": np.array([e.get("addr", 0) for e in trace], dtype=np.int64),  # none on an OOM
         "size": np.array([e.get("size", 0) for e in trace], dtype=np.int64),
         "stream": np.array([e.get("stream", 0) for e in trace], dtype=np.int64),
     }
+    if depth:  # each allocation's call site, as an index into `signatures` (-1 for other events)
+        sites = [
+            signatures.setdefault(_signature(e.get("frames", []), depth), len(signatures))
+            if e["action"] == "alloc"
+            else -1
+            for e in trace
+        ]
+        events["site"] = np.array(sites, dtype=np.int32)
+    return events
 
 
 def _state(snapshot: dict) -> str:
@@ -87,8 +101,11 @@ def _state(snapshot: dict) -> str:
     return json.dumps(segments)
 
 
-def trace(setup, shape, cuda: bool, max_entries: int) -> tuple[object, dict | None, str]:
-    """The probe of `shape` under the allocator's history recording: (probe result, events, starting state)."""
+def trace(
+    setup, shape, cuda: bool, max_entries: int, signatures: dict[str, int], depth: int
+) -> tuple[object, dict | None, str]:
+    """The probe of `shape` under the allocator's history recording: (probe result, events, starting state); with
+    `depth`, each allocation's call site too (its innermost `depth` Python frames, at a cost in probe time)."""
     from memfit.memory.probe import probe
 
     if not cuda:
@@ -96,14 +113,29 @@ def trace(setup, shape, cuda: bool, max_entries: int) -> tuple[object, dict | No
     import torch
 
     torch.cuda.empty_cache()  # the trace starts from what lives (weights), not from the last shape's cache
-    torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=max_entries)
+    context = "alloc" if depth else None
+    torch.cuda.memory._record_memory_history(enabled="all", context=context, stacks="python", max_entries=max_entries)
     try:
         start = _state(torch.cuda.memory._snapshot())
         result = probe(setup, shape)[0]
-        events = _events(torch.cuda.memory._snapshot())
+        events = _events(torch.cuda.memory._snapshot(), signatures, depth)
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
     return result, events, start
+
+
+def _calibrated(cfg, setup, model, arch):
+    """Calibrates as a run without a cached calibration does, and returns the probe setup memory_model_gpu.py
+    probes its held-apart shapes with."""
+    from dataclasses import replace
+
+    from memfit.memory.calibration import calibrate
+    from memfit.memory.model import splits_branches
+    from memfit.memory.state import model_state_bytes
+
+    calibrate(cfg, setup, arch, model_state_bytes(model, cfg.memory.optimizer))
+    checkpointed = bool(cfg.memory.gradient_checkpointing)
+    return replace(setup, split_branches=True) if splits_branches(arch, checkpointed) else setup
 
 
 def _peaks(result) -> dict:
@@ -129,6 +161,13 @@ def main() -> None:
     parser.add_argument("--tokenizer", default=None)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--max-entries", type=int, default=2_000_000, help="trace entries kept per shape")
+    parser.add_argument("--sites", type=int, default=0, help="record each allocation's innermost N Python frames")
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="calibrate first and probe as memory_model_gpu.py does after it (the branch marker's hooks where the "
+        "model splits its windows): the allocator's history of a run that calibrates, not a fresh process's",
+    )
     parser.add_argument("--work", default="/tmp/memfit-allocator-trace")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -145,11 +184,14 @@ def main() -> None:
     apply_allocator_env(cfg.memory)  # expandable segments, as the runs whose reserved memory this is about
     built, setup = probe_context(cfg, args.device)
     arch = describe_architecture(built.model, cfg.model.task)
+    if args.calibrate:
+        setup = _calibrated(cfg, setup, built.model, arch)
     arrays: dict[str, object] = {}
     shapes = []
+    signatures: dict[str, int] = {}
     for number, (kind, shape) in enumerate(_shapes(cfg, arch, args.held_apart, args.model)):
         started = time.perf_counter()
-        result, events, start = trace(setup, shape, args.device == "cuda", args.max_entries)
+        result, events, start = trace(setup, shape, args.device == "cuda", args.max_entries, signatures, args.sites)
         key = f"s{number}"
         arrays[f"{key}.state"] = np.array(start)
         for name, values in (events or {}).items():
@@ -159,7 +201,13 @@ def main() -> None:
         row = {"key": key, "kind": kind, "shape": [shape.batch, shape.source, shape.label], "events": counts}
         shapes.append({**row, **_peaks(result), "seconds": time.perf_counter() - started})
         print(json.dumps(shapes[-1]), flush=True)
-        meta = {"command": " ".join(sys.argv), "model": args.model, "overrides": overrides, "actions": ACTIONS}
+        meta = {
+            "command": " ".join(sys.argv),
+            "model": args.model,
+            "overrides": overrides,
+            "actions": ACTIONS,
+            "sites": list(signatures),
+        }
         np.savez_compressed(args.out, shapes=np.array(json.dumps(shapes)), meta=np.array(json.dumps(meta)), **arrays)
 
 

@@ -1,0 +1,438 @@
+"""A replay of PyTorch's CUDA caching allocator with expandable segments, and a reserved-memory prediction built on it.
+
+`ExpandableSegments` places allocations as torch 2.11's CUDACachingAllocator.cpp does with
+`expandable_segments:True` (one stream): requests rounded to 512 bytes; a small pool (requests up to 1 MiB, 2 MiB
+pages) and a large pool (20 MiB pages); best fit among free mapped blocks (by size, then address, preferring the
+smaller "expandable size" as `get_free_block` does); a block split when 512 bytes or more would remain; where nothing
+fits, pages mapped at the lowest address whose free and unmapped blocks together have room (`find_expandable_block`);
+freed blocks merged with free neighbours of the same mapping. Reserved memory is the mapped bytes; its peak is what
+`torch.cuda.max_memory_reserved` reads.
+
+`AllocationProgram` is a probe's allocator events with each allocation's size written as a law of the batch shape,
+fitted over several probes aligned by where each allocation was made: its Python call site, and for allocations
+without Python frames (autograd's backward) their position in their run, or where runs differ in length, sizes the
+two shapes share and sizes one law turns into each other. Replaying the program at a new shape predicts that
+shape's peak reserved, fragmentation included.
+
+Both are read from `allocator_trace_gpu.py`'s traces (`--sites N`); `allocator_replay_cpu.py` scores them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import difflib
+import json
+import math
+from dataclasses import dataclass, field
+
+SMALL_REQUEST = 1 << 20  # kSmallSize: the largest request served from the small pool
+MIN_BLOCK = 512  # kMinBlockSize: every request rounded up to a multiple of it
+SMALL_PAGE, LARGE_PAGE = 2 << 20, 20 << 20  # expandable segments map 2 MiB pages (small pool), 20 MiB (large)
+# the address space an expandable segment reserves: 1 1/8 of the GPU's memory (an H100 80GB HBM3's here)
+ADDRESS_SPACE = int(85_520_809_984 * 1.125)
+ALLOC, FREE_COMPLETED, SEGMENT_UNMAP = 0, 2, 6  # allocator_trace_gpu.ACTIONS indices
+
+
+def round_size(size: int) -> int:
+    return MIN_BLOCK * max(1, -(-size // MIN_BLOCK))
+
+
+class _Block:
+    __slots__ = ("ptr", "size", "allocated", "mapped", "prev", "next")
+
+    def __init__(self, ptr: int, size: int, allocated: bool = False, mapped: bool = True):
+        self.ptr, self.size, self.allocated, self.mapped = ptr, size, allocated, mapped
+        self.prev: _Block | None = None
+        self.next: _Block | None = None
+
+
+def _link(first: _Block | None, second: _Block | None) -> None:
+    if first is not None:
+        first.next = second
+    if second is not None:
+        second.prev = first
+
+
+@dataclass
+class _Pool:
+    page: int
+    free: list[tuple[int, int]] = field(default_factory=list)  # (size, ptr) of free mapped blocks, sorted
+    unmapped: list[int] = field(default_factory=list)  # ptr of unmapped blocks, sorted
+    blocks: dict[int, _Block] = field(default_factory=dict)  # every block, by ptr
+
+    def add(self, block: _Block) -> None:
+        if block.mapped:
+            bisect.insort(self.free, (block.size, block.ptr))
+        else:
+            bisect.insort(self.unmapped, block.ptr)
+
+    def remove(self, block: _Block) -> None:
+        if block.mapped:
+            del self.free[bisect.bisect_left(self.free, (block.size, block.ptr))]
+        else:
+            del self.unmapped[bisect.bisect_left(self.unmapped, block.ptr)]
+
+
+class ExpandableSegments:
+    """The caching allocator's block placement with expandable segments, from a snapshot's segments (a trace's
+    `<key>.state`: mapped ranges and their blocks); `malloc` returns the address, `free` takes it back."""
+
+    def __init__(self, segments: list[dict], address_space: int = ADDRESS_SPACE):
+        self._pools = {True: _Pool(SMALL_PAGE), False: _Pool(LARGE_PAGE)}
+        self._live: dict[int, tuple[_Block, _Pool]] = {}
+        self.reserved = self.allocated = 0
+        for small, pool in self._pools.items():
+            ranges = sorted(
+                (s for s in segments if (s["segment_type"] == "small") == small), key=lambda s: s["address"]
+            )
+            if ranges:
+                self._lay_out(pool, ranges, address_space)
+        self.peak_reserved, self.peak_allocated = self.reserved, self.allocated
+
+    def _lay_out(self, pool: _Pool, ranges: list[dict], address_space: int) -> None:
+        """The segment's blocks in address order: the snapshot's mapped ranges, unmapped gaps between them, and
+        the rest of the address space unmapped after them (the segment is assumed to start at the first range)."""
+        base = cursor = ranges[0]["address"]
+        chain: list[_Block] = []
+        for segment in ranges:
+            if segment["address"] > cursor:
+                chain.append(_Block(cursor, segment["address"] - cursor, mapped=False))
+            cursor = segment["address"]
+            for block in segment["blocks"]:
+                chain.append(_Block(cursor, block["size"], allocated=block["state"].startswith("active")))
+                cursor += block["size"]
+            self.reserved += segment["total_size"]
+        chain.append(_Block(cursor, base + address_space - cursor, mapped=False))
+        for first, second in zip(chain, chain[1:], strict=False):
+            _link(first, second)
+        for block in chain:
+            pool.blocks[block.ptr] = block
+            if block.allocated:
+                self._live[block.ptr] = (block, pool)
+                self.allocated += block.size
+            else:
+                pool.add(block)
+
+    def malloc(self, requested: int) -> int:
+        size = round_size(requested)
+        pool = self._pools[size <= SMALL_REQUEST]
+        block = self._best_fit(pool, size) or self._expand(pool, size)
+        if block.size - size >= MIN_BLOCK:  # split: the allocation takes the block's start
+            rest = _Block(block.ptr + size, block.size - size)
+            _link(rest, block.next)
+            _link(block, rest)
+            block.size = size
+            pool.blocks[rest.ptr] = rest
+            pool.add(rest)
+        block.allocated = True
+        self._live[block.ptr] = (block, pool)
+        self.allocated += block.size
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        return block.ptr
+
+    def live(self) -> list[int]:
+        """The addresses of the blocks in use."""
+        return list(self._live)
+
+    def free(self, ptr: int) -> None:
+        block, pool = self._live.pop(ptr)
+        block.allocated = False
+        self.allocated -= block.size
+        block = self._merge(pool, block, block.prev)
+        block = self._merge(pool, block, block.next)
+        pool.add(block)
+
+    def _best_fit(self, pool: _Pool, size: int) -> _Block | None:
+        at = bisect.bisect_left(pool.free, (size, -1))
+        if at == len(pool.free):
+            return None
+
+        def expandable(index: int) -> int:  # a block's size counting the unmapped room right after it
+            block = pool.blocks[pool.free[index][1]]
+            after = block.next
+            return block.size + (after.size if after is not None and not after.mapped else 0)
+
+        while at + 1 < len(pool.free) and expandable(at + 1) < expandable(at):
+            at += 1
+        return pool.blocks[pool.free.pop(at)[1]]
+
+    def _expand(self, pool: _Pool, size: int) -> _Block:
+        candidate = self._expandable_start(pool, size)
+        if not candidate.mapped:
+            candidate = self._map(pool, candidate, min(candidate.size, size))
+        while candidate.size < size:
+            after = candidate.next
+            assert after is not None
+            candidate = self._map(pool, after, min(size - candidate.size, after.size))
+        pool.remove(candidate)
+        return candidate
+
+    @staticmethod
+    def _expandable_start(pool: _Pool, size: int) -> _Block:
+        """The lowest unmapped block (with the free block before it) whose free and unmapped run has room."""
+        for ptr in pool.unmapped:
+            start = pool.blocks[ptr]
+            if start.prev is not None and start.prev.mapped and not start.prev.allocated:
+                start = start.prev
+            room, block = 0, start
+            while room < size and block is not None and not block.allocated:
+                room, block = room + block.size, block.next
+            if room >= size:
+                return start
+        raise MemoryError("the expandable segment's address space is used up")
+
+    def _map(self, pool: _Pool, block: _Block, size: int) -> _Block:
+        mapped = -(-size // pool.page) * pool.page
+        pool.remove(block)
+        if mapped < block.size:
+            rest = _Block(block.ptr + mapped, block.size - mapped, mapped=False)
+            _link(rest, block.next)
+            _link(block, rest)
+            pool.blocks[rest.ptr] = rest
+            pool.add(rest)
+            block.size = mapped
+        block.mapped = True
+        self.reserved += mapped
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        block = self._merge(pool, block, block.prev)
+        block = self._merge(pool, block, block.next)
+        pool.add(block)
+        return block
+
+    @staticmethod
+    def _merge(pool: _Pool, keep: _Block, other: _Block | None) -> _Block:
+        """`other` into `keep` where it is free and mapped alike (`keep` is in no free list yet)."""
+        if other is None or other.allocated or other.mapped != keep.mapped:
+            return keep
+        pool.remove(other)
+        del pool.blocks[other.ptr]
+        if keep.prev is other:
+            del pool.blocks[keep.ptr]
+            keep.ptr = other.ptr
+            pool.blocks[keep.ptr] = keep
+            _link(other.prev, keep)
+        else:
+            _link(keep, other.next)
+        keep.size += other.size
+        return keep
+
+
+@dataclass(frozen=True)
+class Events:
+    """One probe's allocator events (a trace's arrays): action, address, requested size and call site."""
+
+    action: list[int]
+    addr: list[int]
+    size: list[int]
+    site: list[int]
+    state: list[dict]
+
+    @classmethod
+    def from_trace(cls, arrays, key: str) -> Events:
+        site = arrays[f"{key}.site"] if f"{key}.site" in arrays else [-1] * len(arrays[f"{key}.action"])
+        return cls(
+            [int(x) for x in arrays[f"{key}.action"]],
+            [int(x) for x in arrays[f"{key}.addr"]],
+            [int(x) for x in arrays[f"{key}.size"]],
+            [int(x) for x in site],
+            json.loads(str(arrays[f"{key}.state"])),
+        )
+
+    def allocations(self) -> tuple[list[int], list[int]]:
+        """(call sites, sizes) of the allocations, in order."""
+        index = [i for i, action in enumerate(self.action) if action == ALLOC]
+        return [self.site[i] for i in index], [self.size[i] for i in index]
+
+
+@dataclass(frozen=True)
+class Replay:
+    peak_reserved: int
+    peak_allocated: int
+    addresses: list[int]  # where each allocation was placed, in order
+
+
+def replay(events: Events, sizes: list[int] | None = None) -> Replay:
+    """The allocator's peaks over `events` from their starting state, each allocation at `sizes` (default: as
+    traced), up to the probe's closing `empty_cache`."""
+    allocator = ExpandableSegments(events.state)
+    earlier = set(allocator.live())  # blocks from before the trace, at their traced addresses
+    placed: dict[int, int] = {}  # traced address -> replayed address
+    addresses = []
+    for action, addr, size in zip(events.action, events.addr, events.size, strict=True):
+        if action == ALLOC:
+            addresses.append(allocator.malloc(size if sizes is None else sizes[len(addresses)]))
+            placed[addr] = addresses[-1]
+        elif action == FREE_COMPLETED and addr in placed:
+            allocator.free(placed.pop(addr))
+        elif action == FREE_COMPLETED and addr in earlier:
+            earlier.discard(addr)
+            allocator.free(addr)
+        elif action == SEGMENT_UNMAP:
+            break
+    return Replay(allocator.peak_reserved, allocator.peak_allocated, addresses)
+
+
+def _runs(sites: list[int], frameless: int) -> tuple[list[int], list[list[int]]]:
+    """Tokens to align (each call site; each run of frameless allocations one token) and their allocations."""
+    tokens, spans, at = [], [], 0
+    while at < len(sites):
+        end = at + 1
+        if sites[at] == frameless:
+            while end < len(sites) and sites[end] == frameless:
+                end += 1
+        tokens.append(sites[at])
+        spans.append(list(range(at, end)))
+        at = end
+    return tokens, spans
+
+
+def _matching(first: list[int], second: list[int], lookahead: int = 400, window: int = 6) -> list[tuple[int, int]]:
+    """Index pairs of two nearly equal token lists: walk both, and where they differ resynchronise at the nearest
+    point where `window` tokens agree again (linear where difflib's matcher took a minute on 26k tokens)."""
+    pairs, i, j = [], 0, 0
+    while i < len(first) and j < len(second):
+        if first[i] == second[j]:
+            pairs.append((i, j))
+            i, j = i + 1, j + 1
+            continue
+        for skip in range(1, lookahead):
+            if first[i + skip : i + skip + window] == second[j : j + window]:
+                i += skip
+                break
+            if second[j + skip : j + skip + window] == first[i : i + window]:
+                j += skip
+                break
+        else:
+            i, j = i + 1, j + 1
+    return pairs
+
+
+def _compatible(size_a: int, size_b: int, shape_a: tuple, shape_b: tuple) -> bool:
+    """Whether two sizes could be one allocation at two shapes: their ratio is one of the laws' ratios."""
+    for law in SHAPE_TERMS.values():
+        expected = size_a * law(*shape_b) / law(*shape_a)
+        if abs(expected - size_b) <= max(1024, 0.01 * size_b):
+            return True
+    return False
+
+
+def align(first: Events, second: Events, frameless: int, shapes: tuple[tuple, tuple]) -> list[tuple[int, int]]:
+    """Pairs of allocation indices of two probes (at `shapes`) made at the same point of the program."""
+    (sites_a, sizes_a), (sites_b, sizes_b) = first.allocations(), second.allocations()
+    tokens_a, spans_a = _runs(sites_a, frameless)
+    tokens_b, spans_b = _runs(sites_b, frameless)
+
+    def compatible(i: int, j: int) -> bool:
+        return _compatible(sizes_a[i], sizes_b[j], *shapes)
+
+    pairs = []
+    for x, y in _matching(tokens_a, tokens_b):
+        run_a, run_b = spans_a[x], spans_b[y]
+        if len(run_a) == len(run_b):
+            pairs += zip(run_a, run_b, strict=True)
+            continue
+        # a frameless run of another length: aligned by the sizes both shapes share, and where they differ by
+        # sizes one law could turn into each other
+        matcher = difflib.SequenceMatcher(None, [sizes_a[k] for k in run_a], [sizes_b[k] for k in run_b], False)
+        for tag, a1, a2, b1, b2 in matcher.get_opcodes():
+            if tag == "equal" or (tag == "replace" and a2 - a1 == b2 - b1):
+                pairs += [(i, j) for i, j in zip(run_a[a1:a2], run_b[b1:b2], strict=True) if compatible(i, j)]
+    return pairs
+
+
+SHAPE_TERMS = {  # the laws an allocation's size may follow in the batch shape (b, s, t): a tensor's elements
+    "1": lambda b, s, t: 1,
+    "b": lambda b, s, t: b,
+    "bs": lambda b, s, t: b * s,
+    "bt": lambda b, s, t: b * t,
+    "bss": lambda b, s, t: b * s * s,
+    "btt": lambda b, s, t: b * t * t,
+    "bst": lambda b, s, t: b * s * t,
+    "s": lambda b, s, t: s,
+    "t": lambda b, s, t: t,
+    "ss": lambda b, s, t: s * s,
+    "tt": lambda b, s, t: t * t,
+    "st": lambda b, s, t: s * t,
+}
+
+
+def fit_size(points: list[tuple[tuple[int, int, int], int]]) -> tuple[str, float, float] | None:
+    """(term, constant, coefficient) with size = constant + coefficient × term(shape), through the template's point
+    (the first) and all the others but at most one (an allocation the alignment paired wrongly in one probe): one term
+    through the origin where one fits within 1%, else a constant plus one term; None where neither fits (the size is
+    then read at the probe nearest the shape asked for)."""
+    (shape0, size0) = points[0]
+    needed = max(2, len(points) - 1)
+
+    def close(predicted: float, size: int, tolerance: float) -> bool:
+        return abs(predicted - size) <= max(1024, tolerance * size)
+
+    best_count, best = 0, None
+    for term, law in SHAPE_TERMS.items():
+        coefficient = size0 / law(*shape0)
+        count = sum(close(coefficient * law(*shape), size, 0.01) for shape, size in points)
+        if count > best_count:
+            best_count, best = count, (term, 0.0, coefficient)
+    if best_count == len(points) or (best_count >= needed and len(points) >= 4):
+        return best
+    if len(points) < 3:
+        return None
+    for term, law in list(SHAPE_TERMS.items())[1:]:
+        xs = [law(*shape) for shape, _ in points]
+        ys = [size for _, size in points]
+        mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+        spread = sum((x - mean_x) ** 2 for x in xs)
+        if spread == 0:
+            continue
+        slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / spread
+        constant = mean_y - slope * mean_x
+        if all(close(constant + slope * x, y, 0.02) for x, y in zip(xs, ys, strict=True)):
+            return term, constant, slope
+    return None
+
+
+def _distance(first: tuple[int, int, int], second: tuple[int, int, int]) -> float:
+    return sum(abs(math.log(a / b)) for a, b in zip(first, second, strict=True))
+
+
+@dataclass
+class AllocationProgram:
+    """A template probe's events with each allocation's size law fitted over the other probes; an allocation no law
+    fits takes its size at the probe nearest the shape it is asked for."""
+
+    events: Events
+    laws: list[tuple[str, float, float] | None]
+    points: list[list[tuple[tuple[int, int, int], int]]]  # each allocation's (probe shape, size), template first
+
+    @classmethod
+    def fit(
+        cls,
+        template: tuple[tuple[int, int, int], Events],
+        others: list[tuple[tuple[int, int, int], Events]],
+        frameless: int,
+    ) -> AllocationProgram:
+        shape, events = template
+        points = [[(shape, size)] for size in events.allocations()[1]]
+        for other_shape, other in others:
+            other_sizes = other.allocations()[1]
+            for i, j in align(events, other, frameless, (shape, other_shape)):
+                points[i].append((other_shape, other_sizes[j]))
+        return cls(events, [fit_size(p) for p in points], points)
+
+    def sizes(self, shape: tuple[int, int, int]) -> list[int]:
+        sizes = []
+        for law, points in zip(self.laws, self.points, strict=True):
+            if law is None:
+                sizes.append(min(points, key=lambda point: _distance(point[0], shape))[1])
+            else:
+                sizes.append(max(1, round(law[1] + law[2] * SHAPE_TERMS[law[0]](*shape))))
+        return sizes
+
+    def predict(self, shape: tuple[int, int, int]) -> tuple[int, int]:
+        """(peak reserved, peak allocated) of the probe at `shape`, by replay."""
+        replayed = replay(self.events, self.sizes(shape))
+        return replayed.peak_reserved, replayed.peak_allocated
+
+    @property
+    def unfitted(self) -> int:
+        return sum(law is None for law in self.laws)
