@@ -23,6 +23,7 @@ import bisect
 import difflib
 import json
 import math
+import statistics
 from dataclasses import dataclass, field
 
 SMALL_REQUEST = 1 << 20  # kSmallSize: the largest request served from the small pool
@@ -377,15 +378,12 @@ def fit_size(points: list[tuple[tuple[int, int, int], int]]) -> tuple[str, float
         return best
     if len(points) < 3:
         return None
+    ys = [size for _, size in points]
     for term, law in list(SHAPE_TERMS.items())[1:]:
         xs = [law(*shape) for shape, _ in points]
-        ys = [size for _, size in points]
-        mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
-        spread = sum((x - mean_x) ** 2 for x in xs)
-        if spread == 0:
+        if len(set(xs)) == 1:  # the probes do not tell this term from a constant
             continue
-        slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / spread
-        constant = mean_y - slope * mean_x
+        slope, constant = statistics.linear_regression(xs, ys)
         if all(close(constant + slope * x, y, 0.02) for x, y in zip(xs, ys, strict=True)):
             return term, constant, slope
     return None

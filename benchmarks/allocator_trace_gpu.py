@@ -124,20 +124,6 @@ def trace(
     return result, events, start
 
 
-def _calibrated(cfg, setup, model, arch):
-    """Calibrates as a run without a cached calibration does, and returns the probe setup memory_model_gpu.py
-    probes its held-apart shapes with."""
-    from dataclasses import replace
-
-    from memfit.memory.calibration import calibrate
-    from memfit.memory.model import splits_branches
-    from memfit.memory.state import model_state_bytes
-
-    calibrate(cfg, setup, arch, model_state_bytes(model, cfg.memory.optimizer))
-    checkpointed = bool(cfg.memory.gradient_checkpointing)
-    return replace(setup, split_branches=True) if splits_branches(arch, checkpointed) else setup
-
-
 def _peaks(result) -> dict:
     if result.oom:
         return {"oom": True}
@@ -174,7 +160,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "src"))
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import numpy as np
-    from memory_model_gpu import compose, group_overrides, probe_context
+    from memory_model_gpu import calibrated, compose, group_overrides, probe_context
 
     from memfit.memory.model import describe_architecture
     from memfit.memory.policy import apply_allocator_env
@@ -185,7 +171,7 @@ def main() -> None:
     built, setup = probe_context(cfg, args.device)
     arch = describe_architecture(built.model, cfg.model.task)
     if args.calibrate:
-        setup = _calibrated(cfg, setup, built.model, arch)
+        setup = calibrated(cfg, setup, built.model, arch)[2]
     arrays: dict[str, object] = {}
     shapes = []
     signatures: dict[str, int] = {}

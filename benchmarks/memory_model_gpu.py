@@ -277,14 +277,27 @@ def group_overrides(name: str, checkpointing: bool, args) -> list[str]:
     ]
 
 
+def calibrated(cfg, setup, model, arch) -> tuple[object, object, object]:
+    """(model state, calibration, probe setup): the calibration a run without a cached one makes, and the setup
+    held-apart shapes are probed with after it (the branch marker's hooks where the model splits its windows, so
+    each branch's peak is recorded too; the hooks only read the meter)."""
+    from memfit.memory.calibration import calibrate
+    from memfit.memory.model import splits_branches
+    from memfit.memory.state import model_state_bytes
+
+    state = model_state_bytes(model, cfg.memory.optimizer)
+    calibration = calibrate(cfg, setup, arch, state)
+    if splits_branches(arch, bool(cfg.memory.gradient_checkpointing)):
+        setup = replace(setup, split_branches=True)
+    return state, calibration, setup
+
+
 def measure_model(name: str, checkpointing: bool, args, out: dict, save) -> None:
     import torch
 
     from memfit.data.audit import BatchShape
-    from memfit.memory.calibration import calibrate
-    from memfit.memory.model import describe_architecture, splits_branches
+    from memfit.memory.model import describe_architecture
     from memfit.memory.probe import probe
-    from memfit.memory.state import model_state_bytes
 
     cfg = compose(group_overrides(name, checkpointing, args))
     started = time.perf_counter()
@@ -292,8 +305,7 @@ def measure_model(name: str, checkpointing: bool, args, out: dict, save) -> None
     build_s = time.perf_counter() - started
     model = built.model
     arch = describe_architecture(model, cfg.model.task)
-    state = model_state_bytes(model, cfg.memory.optimizer)
-    calibration = calibrate(cfg, setup, arch, state)
+    state, calibration, setup = calibrated(cfg, setup, model, arch)
     group = {
         "model": name,
         "gradient_checkpointing": checkpointing,
@@ -321,8 +333,6 @@ def measure_model(name: str, checkpointing: bool, args, out: dict, save) -> None
     too_long = [shape for shape in shapes if max(shape[1:3]) * args.shapes_scale > cfg.model.max_positions]
     if too_long:  # a CUDA gather asserts far from the cause (session 28): say it here
         raise ValueError(f"{name}: shapes {too_long} pass model.max_positions={cfg.model.max_positions}")
-    if splits_branches(arch, checkpointing):  # record each branch's peak too (the hook only reads the meter)
-        setup = replace(setup, split_branches=True)
     for batch, source, label, shape_set in shapes:
         shape = BatchShape(max(1, int(batch)), int(source * args.shapes_scale), int(label * args.shapes_scale))
         predicted = calibration.estimate(shape)
