@@ -29,7 +29,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from allocator_replay import AllocationProgram, Events, replay  # noqa: E402
+from allocator_replay import AllocationProgram  # noqa: E402
+
+from memfit.memory.allocator import Events, replay  # noqa: E402
 
 
 def score(path: Path) -> dict:
