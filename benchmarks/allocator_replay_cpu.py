@@ -5,8 +5,9 @@
 Each trace (`allocator_trace_gpu.py --sites 8`: one model and memory setting, the calibration's probe shapes and
 run 18's held-apart shapes, every allocator event with its call site) is scored twice:
 
-1. **Replay**: each shape's own events through `allocator_replay.ExpandableSegments` from the allocator's recorded
-   starting state: does it place every allocation at the traced address and reach the measured peak reserved?
+1. **Replay**: each shape's own events through `memfit.memory.allocator.ExpandableSegments` from the allocator's
+   recorded starting state: does it place every allocation at the traced address and reach the measured peak
+   reserved?
 2. **Prediction**: for each held-apart shape, an `AllocationProgram` (a calibration probe's events, each
    allocation's size fitted as a law of the shape over the other probes) replayed at the held-apart shape, against
    its measured peak reserved. Every probe but the first (whose events hold the process's one-time allocations)
@@ -24,14 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from allocator_replay import AllocationProgram  # noqa: E402
-
-from memfit.memory.allocator import Events, replay  # noqa: E402
+from memfit.memory.allocation_program import AllocationProgram
+from memfit.memory.allocator import Events, replay
 
 
 def score(path: Path) -> dict:
