@@ -335,7 +335,10 @@ def measure_model(name: str, checkpointing: bool, args, out: dict, save) -> None
         raise ValueError(f"{name}: shapes {too_long} pass model.max_positions={cfg.model.max_positions}")
     for batch, source, label, shape_set in shapes:
         shape = BatchShape(max(1, int(batch)), int(source * args.shapes_scale), int(label * args.shapes_scale))
+        started = time.perf_counter()
         predicted = calibration.estimate(shape)
+        predict_s = time.perf_counter() - started
+        fitted_ratio = calibration.estimate_fitted(shape).reserved  # beside the replay, where it is used
         started = time.perf_counter()
         measured = probe(setup, shape)[0]
         row = {
@@ -345,6 +348,8 @@ def measure_model(name: str, checkpointing: bool, args, out: dict, save) -> None
             "seconds": time.perf_counter() - started,
             "predicted_allocated": predicted.allocated,
             "predicted_reserved": predicted.reserved,
+            "predicted_reserved_fitted_ratio": fitted_ratio,
+            "predict_s": predict_s,
             "breakdown": predicted.breakdown(),
             "korthikanti": state.total
             + korthikanti_bytes((shape.batch, shape.source, shape.label), arch, hidden, checkpointing),

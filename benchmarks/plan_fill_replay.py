@@ -103,7 +103,7 @@ def budget_epoch(
     length (0: no cells, each micro-batch sized at its own padded lengths: what finer cells tend to)."""
     from memfit.data.audit import BatchShape
     from memfit.data.packing import token_steps
-    from memfit.memory.model import largest_fitting
+    from memfit.memory.bisection import largest_fitting
     from memfit.memory.plan import grid, size
     from memfit.training.throughput import epoch_plan
 

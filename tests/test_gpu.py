@@ -347,3 +347,39 @@ def test_expandable_segments_reach_an_allocator_that_started_before_the_run():
     env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "True", out.stderr[-2000:]
+
+
+def test_a_checkpointed_calibration_replays_its_probes_to_the_byte_and_predicts_the_preflights_reserved(tmp_path):
+    """With checkpointing and expandable segments the calibration records its probes' allocator events: each
+    template probe's own events replay to its measured peak reserved exactly, and the preflight's worst batch, which
+    no probe ran, is predicted from them within the benchmark's 8%."""
+    import json
+
+    from memfit.memory.allocator import replay
+    from memfit.memory.calibration import Calibration
+    from tests.conftest import run_train_py
+
+    cache = tmp_path / "calibration"
+    args = [
+        *GPU_RUN,
+        "memory=balanced",
+        "memory.precision=fp32",
+        "memory.gradient_checkpointing=true",
+        "calibration.enabled=true",
+        f"calibration.cache_dir={cache}",
+        f"output_dir={tmp_path}",
+        "tracking=none",
+    ]
+    shown = run_train_py(*args, "estimate_only=true", fresh=True)
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    assert "reserved by replay" in shown.stdout, shown.stdout[-3000:]
+    calibration = Calibration.load(next(cache.glob("*.json")))
+    assert calibration.replay is not None and len(calibration.replay.programs) == len(calibration.probes) - 1
+    for program, shape in zip(calibration.replay.programs, calibration.replay.shapes, strict=True):
+        row = next(p for p in calibration.probes if (p["batch"], p["source"], p["label"]) == shape)
+        assert replay(program.events).peak_reserved == max(row["reserved"], row["step_reserved"]), shape
+    checked = run_train_py(*args, "preflight_only=true", fresh=True)
+    assert checked.returncode == 0, checked.stderr[-3000:]
+    reports = [json.loads(path.read_text()) for path in tmp_path.glob("runs/*/*/report.json")]
+    report = next(r for r in reports if r["worst_case_peak_gib"] is not None)
+    assert abs(report["predicted_peak_gib"] / report["worst_case_peak_gib"] - 1) < 0.08, report

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from memfit.memory.allocation_program import AllocationProgram, align, fit_size
-from memfit.memory.allocator import LARGE_PAGE, Events
+import pytest
+
+from memfit.memory.allocation_program import AllocationProgram, ReservedByReplay, align, fit_size
+from memfit.memory.allocator import LARGE_PAGE, Events, replay
 
 MIB = 1 << 20
 FRAMELESS = 0  # the call-site index of allocations without Python frames
@@ -69,3 +71,38 @@ def test_a_program_replayed_at_an_unprobed_shape_peaks_where_that_shape_would():
     _, truth = probe(target, *program_sizes(target))
     assert program.sizes(target) == truth.allocations()[1]
     assert program.predict(target)[1] == sum(-(-size // 512) * 512 for size in truth.allocations()[1])
+
+
+def _recorded(shapes: list[tuple[int, int, int]]) -> list[tuple[tuple, Events]]:
+    return [probe(shape, *program_sizes(shape, extra=shape[0] % 3)) for shape in shapes]
+
+
+PROBED = [(4, 512, 128), (8, 512, 256), (2, 256, 512), (16, 128, 64), (4, 1024, 64)]
+
+
+def test_reserved_by_replay_is_the_largest_of_the_nearest_templates_and_reads_back_from_its_arrays(tmp_path):
+    import numpy as np
+
+    probes = _recorded(PROBED)
+    probes[2][1].size[0] = 12345  # one probe's constant buffer differs: no law fits it, the nearest probe's is read
+    replayed = ReservedByReplay.fit(probes, FRAMELESS)
+    assert replayed.shapes == PROBED[1:]  # the first probe (one-time allocations) is no template
+    assert any(p.unfitted for p in replayed.programs)
+    target = (6, 640, 96)
+    distance = [sum(abs(np.log(a / b)) for a, b in zip(shape, target, strict=True)) for shape in PROBED[1:]]
+    nearest = sorted(range(4), key=distance.__getitem__)[:3]
+    assert replayed.reserved(target) == max(replayed.programs[i].predict(target)[0] for i in nearest)
+    for shape in (target, (32, 2048, 512)):  # what the program would reserve there, run for real
+        assert replayed.reserved(shape) == replay(probe(shape, *program_sizes(shape))[1]).peak_reserved
+
+    np.savez_compressed(tmp_path / "replay.npz", **replayed.to_arrays())
+    with np.load(tmp_path / "replay.npz") as arrays:
+        again = ReservedByReplay.from_arrays(arrays)
+    for shape in (target, (1, 64, 64), (32, 2048, 512)):
+        assert again.reserved(shape) == replayed.reserved(shape)
+    assert [p.laws for p in again.programs] == [p.laws for p in replayed.programs]
+
+
+def test_reserved_by_replay_needs_three_probes():
+    with pytest.raises(ValueError, match="2 recorded probes"):
+        ReservedByReplay.fit(_recorded(PROBED[:2]), FRAMELESS)

@@ -13,9 +13,9 @@ import pytest
 from memfit.config import GIB
 from memfit.data.audit import BatchShape, padded
 from memfit.data.packing import epoch_micro_batches, epoch_order
+from memfit.memory.bisection import largest_fitting
 from memfit.memory.edges import CELL_SAVING, fitted_edges, length_edges
 from memfit.memory.meter import MemoryPeak
-from memfit.memory.model import largest_fitting
 from memfit.memory.plan import PlanError, grid, prove
 from memfit.memory.probe import Probe
 

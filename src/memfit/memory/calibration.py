@@ -9,6 +9,14 @@ shape), so a calibrated model predicts what the preflight would measure: peak al
 is over the forward + backward peaks; the optimizer step's peak, which no batch shape changes, is kept apart as a
 floor (the larger of the two is the step's peak); reserved is allocated times the allocator overhead the probes saw,
 plus what the allocator keeps cached per byte of logits.
+
+Reserved of a checkpointed model on CUDA with expandable segments is predicted by replay instead: the probes run
+under the allocator's history recording (memory.allocator_history), their events become programs of the shape
+(memory.allocation_program.ReservedByReplay), and a shape's reserved is the caching allocator's, replayed on the
+host (memory.allocator). On run 18's checkpointed shapes the fitted ratio missed reserved by up to 5.5%, the replay
+by 2.5% (benchmarks/README.md, "Run 19"); without checkpointing the backward is one long run of allocations without
+Python frames, which the replay's alignment follows less well than the fitted ratio does. The programs are kept
+beside the calibration's JSON (`<key>.replay.npz`).
 """
 
 from __future__ import annotations
@@ -26,6 +34,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from memfit.config.schema import memory_knobs, step_accumulates
 from memfit.data.audit import BatchShape
+from memfit.memory.allocation_program import ReservedByReplay
+from memfit.memory.bisection import largest_fitting_near
+from memfit.memory.calibration_probes import fit_replay, measure_probes, replays_reserved
 from memfit.memory.model import (
     COUNTED_TERMS,
     WINDOW_TERMS,
@@ -47,10 +58,11 @@ from memfit.memory.state import ModelStateBytes
 
 log = logging.getLogger(__name__)
 
-FORMAT = 12  # bump when what a calibration file holds or how it is fitted changes: old files are then not reused
+FORMAT = 13  # bump when what a calibration file holds or how it is fitted changes: old files are then not reused
 # 7: probe batches carry a padding mask; 8: fused AdamW on CUDA; 9: the forward as accelerate wraps it for training;
 # 10: six probes, to the most tokens, T5's cross-attention scores; 11: two lines in tokens, checkpointed causal LMs;
-# 12: their probes at six token counts, and every checkpointed seq2seq model fitted window by window
+# 12: their probes at six token counts, and every checkpointed seq2seq model fitted window by window;
+# 13: reserved by replaying the allocator's recorded events (checkpointed models on CUDA)
 # the memory knobs that change what a step holds for a given shape (their Knob.step; lengths and padding do not)
 POLICY_KNOBS = tuple(name for name, knob in memory_knobs().items() if knob.step)
 
@@ -73,18 +85,36 @@ class Calibration:
     fit: FittedPeak
     probes: list[dict[str, Any]] = field(default_factory=list)  # shape and measured peaks of each probe
     seconds: float = 0.0
+    reserved_by: str = "fitted ratio"  # or "replay", where `replay` predicts reserved (kept beside the JSON)
     from_cache: bool = False
+    replay: ReservedByReplay | None = None
 
     def estimate(self, shape: BatchShape) -> PeakEstimate:
+        peak = self.estimate_fitted(shape)
+        if self.replay is None:
+            return peak
+        replayed = self.replay.reserved((shape.batch, shape.source, shape.label))
+        return replace(peak, reserved=max(replayed, peak.allocated))
+
+    def estimate_fitted(self, shape: BatchShape) -> PeakEstimate:
+        """The fitted model's estimate alone (reserved by the fitted ratio, never replayed: ~1 µs, where a replay
+        takes ~0.1 s), for searches over hundreds of shapes that measure what they settle on (a batch plan)."""
         return estimate_peak(shape.batch, shape.source, shape.label, self.architecture, self.state, self.fit)
 
     def largest_batch(self, source: int, label: int, limit: int, upper: int = 4096) -> int:
-        """The largest batch predicted to keep peak *reserved* (what the preflight judges) within `limit`."""
-        return largest_batch(self.fit, source, label, self.architecture, limit, upper)
+        """The largest batch predicted to keep peak *reserved* (what the preflight judges) within `limit`: by the
+        fitted model, then, where reserved is replayed, settled by replays near that answer (each takes ~0.1 s)."""
+        fitted = largest_batch(self.fit, source, label, self.architecture, limit, upper)
+        if self.replay is None:
+            return fitted
+        return largest_fitting_near(
+            lambda batch: self.estimate(BatchShape(batch, source, label)).reserved <= limit, fitted, upper
+        )
 
     def to_json(self) -> str:
-        data = asdict(self)
+        data = asdict(replace(self, replay=None))
         data.pop("from_cache")
+        data.pop("replay")
         return json.dumps(data, indent=1)
 
     @classmethod
@@ -103,7 +133,39 @@ class Calibration:
             ),
             probes=data["probes"],
             seconds=data["seconds"],
+            reserved_by=data["reserved_by"],
         )
+
+    def save(self, path: Path) -> None:
+        """The JSON at `path` and, where reserved is replayed, its programs beside it (REPLAY_SUFFIX)."""
+        if self.replay is not None:
+            import numpy as np
+
+            np.savez_compressed(replay_path(path), **self.replay.to_arrays())
+        path.write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: Path) -> Calibration:
+        """What `save` wrote. Raises OSError or ValueError where the file or its replay's is missing or damaged."""
+        calibration = cls.from_json(path.read_text())
+        if calibration.reserved_by == "replay":
+            import zipfile
+
+            import numpy as np
+
+            try:
+                with np.load(replay_path(path)) as arrays:
+                    calibration.replay = ReservedByReplay.from_arrays(arrays)
+            except (zipfile.BadZipFile, EOFError, KeyError) as err:
+                raise ValueError(f"{replay_path(path)}: {err}") from err
+        return calibration
+
+
+REPLAY_SUFFIX = ".replay.npz"
+
+
+def replay_path(path: Path) -> Path:
+    return path.with_suffix(REPLAY_SUFFIX)
 
 
 def library_versions(cfg: DictConfig) -> dict[str, str]:
@@ -163,8 +225,8 @@ def load_cached(cache_dir: Path, key: str) -> Calibration | None:
     if not path.exists():
         return None
     try:
-        calibration = Calibration.from_json(path.read_text())
-    except (ValueError, KeyError, TypeError) as err:  # a damaged file is refitted, not trusted
+        calibration = Calibration.load(path)
+    except (OSError, ValueError, KeyError, TypeError) as err:  # a damaged file is refitted, not trusted
         log.warning("calibration %s unreadable (%s): fitting it again", path, err)
         return None
     calibration.from_cache = True
@@ -175,33 +237,6 @@ def cached(cfg: DictConfig, device: str) -> Calibration | None:
     """This run's calibration if an earlier run (or trial) fitted it."""
     ident = identity(cfg, device_name(device), int(cfg.calibration.probe_tokens))
     return load_cached(Path(cfg.calibration.cache_dir), calibration_key(ident))
-
-
-def _measure(
-    setup: Any, arch: Architecture, shapes: list[BatchShape], on_probe: Callable[[BatchShape], None] | None
-) -> list[dict[str, Any]]:
-    """Each shape's measured forward + backward and optimizer-step peaks (and, where the setup splits them, each
-    window's of preflight._BranchMarker.WINDOWS); stops at the first OOM."""
-    from memfit.memory.probe import probe
-
-    measured = []
-    for shape in shapes:
-        if on_probe is not None:
-            on_probe(shape)
-        result = probe(setup, shape)[0]
-        if result.oom:
-            break
-        row = {
-            **asdict(shape),
-            "allocated": result.backward_peak.allocated,
-            "reserved": result.backward_peak.reserved,
-            "step_allocated": result.step_peak.allocated,
-            "step_reserved": result.step_peak.reserved,
-        }
-        for window, peak in (result.branch_peaks or {}).items():
-            row[f"{window}_allocated"], row[f"{window}_reserved"] = peak.allocated, peak.reserved
-        measured.append(row)
-    return measured
 
 
 def _measured_by_window(measured: list[dict[str, Any]]) -> bool:
@@ -314,10 +349,13 @@ def _fit_and_cache(
     if branches:
         setup = replace(setup, split_branches=True)
     start = time.perf_counter()
+    replays = replays_reserved(cfg, setup.device)
     for tokens, scale in probe_plan(cfg, arch):
         multiple, positions = cfg.memory.pad_to_multiple_of, cfg.model.max_positions
         shapes = calibration_shapes(arch, tokens, multiple, scale, positions, checkpointed)
-        measured = _measure(setup, arch, shapes, on_probe)
+        sites: dict[str, int] | None = {"": 0} if replays else None  # index 0: allocations without Python frames
+        probed = measure_probes(setup, shapes, on_probe, sites)
+        measured = probed.rows
         if len(measured) == len(shapes):
             break
         log.warning("memory model: a calibration probe did not fit the budget; probing smaller shapes")
@@ -337,8 +375,18 @@ def _fit_and_cache(
             cfg.calibration.probe_tokens,
         )
         return None
-    calibration = Calibration(key, ident, arch, state, fit, measured, time.perf_counter() - start)
+    calibration = Calibration(key, ident, arch, state, fit, measured)
+    if replays:
+        calibration.replay = fit_replay(probed, shapes)
+        calibration.reserved_by = "replay" if calibration.replay is not None else calibration.reserved_by
+    calibration.seconds = time.perf_counter() - start
     cache_dir.mkdir(parents=True, exist_ok=True)
-    (cache_dir / f"{key}.json").write_text(calibration.to_json())
-    log.info("memory model: calibrated %s from %d probes in %.1f s", key, len(measured), calibration.seconds)
+    calibration.save(cache_dir / f"{key}.json")
+    log.info(
+        "memory model: calibrated %s from %d probes in %.1f s (reserved by %s)",
+        key,
+        len(measured),
+        calibration.seconds,
+        calibration.reserved_by,
+    )
     return calibration

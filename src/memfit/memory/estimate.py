@@ -33,7 +33,7 @@ class Estimate:
     peak: PeakEstimate | None = None  # None without a calibration
     largest_batch: int | None = None
     largest_cap: str | None = None  # where the largest-batch prediction stopped at the search's own cap
-    calibration: str | None = None  # "<key> (cached | fitted from N probes on <device>)"
+    calibration: str | None = None  # "<key> on <device>, cached | fitted from N probes; reserved by <how>"
     lengths: tuple[int, int] | None = None  # (source, label) the largest batch is judged at
     budget_label: str = "budget"  # what the budget is: budget.gib, or without it the device's memory
     # what each memory knob left off would hold less at the worst batch (memory.savings.knob_savings)
@@ -138,5 +138,6 @@ def estimate(
     result.lengths = (source, label)
     result.largest_batch = calibration.largest_batch(source, label, limit, upper)
     how = "reused from its cache" if calibration.from_cache else f"fitted from {len(calibration.probes)} probes"
-    result.calibration = f"{calibration.key} on {calibration.identity['device']}, {how}"
+    device = calibration.identity["device"]
+    result.calibration = f"{calibration.key} on {device}, {how}; reserved by {calibration.reserved_by}"
     return result

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from memfit.memory.bisection import largest_fitting
 from memfit.memory.state import ModelStateBytes
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -382,12 +383,3 @@ def largest_batch(fit: FittedPeak, source: int, label: int, arch: Architecture, 
     """The largest batch whose predicted peak *reserved* (what the preflight judges) is within `limit` at these
     lengths (0: not even one row), at most `upper`."""
     return largest_fitting(lambda batch: fit.reserved(batch, source, label, arch) <= limit, upper)
-
-
-def largest_fitting(fits: Callable[[int], bool], upper: int) -> int:
-    """The largest batch in [0, upper] that fits: bisection, since every peak grows with the rows."""
-    low, high = 0, upper
-    while low < high:
-        middle = (low + high + 1) // 2
-        low, high = (middle, high) if fits(middle) else (low, middle - 1)
-    return low

@@ -33,8 +33,8 @@ import numpy as np
 
 from memfit.config import GIB
 from memfit.data.audit import BatchShape, padded
+from memfit.memory.bisection import largest_fitting
 from memfit.memory.edges import fitted_edges, length_edges
-from memfit.memory.model import largest_fitting
 from memfit.memory.probe import Probe
 
 Cell = tuple[int, int]  # (source edge index, label edge index)

@@ -90,7 +90,7 @@ def calibrate(ctx: RunContext, setup: TrainingSetup, probes: Any) -> Any:
                 on_probe=lambda shape: show(advance=1, note=shape.describe(cfg.model.task)),
             )
     if calibration is not None:
-        ctx.tracker.log_params({"memfit.calibration": calibration.key})
+        ctx.tracker.log_params({"memfit.calibration": calibration.key, "memfit.reserved_by": calibration.reserved_by})
         ctx.tracker.log_metrics({"calibration/seconds": 0.0 if calibration.from_cache else calibration.seconds})
     return calibration
 

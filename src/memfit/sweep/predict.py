@@ -63,7 +63,7 @@ class MemoryPredictor:
         if not path or key in self.calibrations:
             return
         try:
-            calibration = Calibration.from_json(Path(path).read_text())
+            calibration = Calibration.load(Path(path))
         except (OSError, ValueError, KeyError, TypeError) as err:
             log.warning(
                 "trial %d's calibration %s could not be read (%s): not predicting from it", trial_number, path, err
@@ -85,8 +85,9 @@ class MemoryPredictor:
         batch = 1 if self._budget_shaped(params) else int(params.get(BATCH, self.config.trainer.batch_size))
         return self.lengths.worst_batches(batch, source, label, memory.pad_to_multiple_of)
 
-    def predicted_gib(self, params: dict[str, Any]) -> tuple[float, Any, int] | None:
-        """(peak reserved GiB of the worst batch, calibration, trial it came from), or None without a calibration."""
+    def predicted_gib(self, params: dict[str, Any], fitted: bool = False) -> tuple[float, Any, int] | None:
+        """(peak reserved GiB of the worst batch, calibration, trial it came from), or None without a calibration;
+        `fitted`: by the fitted model alone, never replayed (Calibration.estimate_fitted), for ranking many."""
         found = self.calibrations.get(self.signature(params))
         if found is None:
             return None
@@ -94,7 +95,8 @@ class MemoryPredictor:
         shapes = self.worst_batches(params)
         if not shapes:
             return None
-        peak = max(calibration.estimate(shape).reserved for shape in shapes)
+        estimate = calibration.estimate_fitted if fitted else calibration.estimate
+        peak = max(estimate(shape).reserved for shape in shapes)
         return peak / GIB, calibration, source_trial
 
     def over_budget(self, params: dict[str, Any], budget_gib: float | None) -> tuple[dict, dict] | None:
