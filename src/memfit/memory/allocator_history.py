@@ -90,10 +90,10 @@ def record(run: Callable[[], T], sites: dict[str, int]) -> tuple[T, Events | Non
     torch.cuda.empty_cache()  # the events start from what lives (the weights), not from an earlier shape's cache
     device = torch.cuda.current_device()
     history: Any = torch.cuda.memory
-    # clear_history: a recording still on (an earlier run's OOM forensics) would put its events before the probe's
-    history._record_memory_history(
-        enabled="all", context="alloc", stacks="python", max_entries=MAX_ENTRIES, clear_history=True
-    )
+    # stopped first, which clears the trace: a recording still on (an earlier run's OOM forensics) would put its
+    # events before the probe's
+    history._record_memory_history(enabled=None)
+    history._record_memory_history(enabled="all", context="alloc", stacks="python", max_entries=MAX_ENTRIES)
     try:
         segments = _segments(history._snapshot(), device)
         result = run()
