@@ -11,7 +11,9 @@ takes its size at the probe nearest the shape asked for. Replaying the program a
 
 Measured on run 18's shapes (benchmarks/README.md, "Run 19"): within 2.5% of the measured peak reserved for every
 checkpointed model, where the fitted ratio model misses by up to 5.5%; without checkpointing a seq2seq backward is
-one long frameless run that the alignment follows less well (bart_large up to 6.5%).
+one long frameless run that the alignment follows less well (bart_large up to 6.5%). On run 19's fresh shapes,
+inside memfit's calibration ("Run 19 in memfit"): 41 checkpointed rows, median 0.00%, −1.38% to +5.35% (T5, where a
+template whose backward allocates otherwise reads high).
 """
 
 from __future__ import annotations
