@@ -29,20 +29,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from memfit.memory.allocator_history import ACTIONS  # the indices the traces store
 
-# the trace's actions (torch's TraceEntry), in the order their indices are stored; any other is stored as -1
-ACTIONS = (
-    "alloc",
-    "free_requested",
-    "free_completed",
-    "segment_alloc",
-    "segment_free",
-    "segment_map",
-    "segment_unmap",
-    "snapshot",
-    "oom",
-)
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _shapes(cfg, arch, held_apart: str, model: str) -> list[tuple[str, object]]:
