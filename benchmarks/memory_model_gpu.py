@@ -178,12 +178,22 @@ RUN19_SHAPES = {
     "qwen2_5_0_5b": [(1, 3840, 3840), (3, 1920, 1920), (5, 1344, 1344), (12, 640, 640), (18, 576, 576)],
     "qwen2_5_1_5b": [(1, 4096, 4096), (3, 2048, 2048), (6, 1088, 1088), (9, 832, 832), (18, 512, 512)],
 }
+# run 20's held-apart shapes, fixed in session 42 after run 19 and before any change to the replay's template rule
+# (none measured or probed by an earlier run): the set that judges a rule chosen on runs 18 and 19
+RUN20_SHAPES = {
+    "pegasus_large": [(5, 640, 192), (10, 448, 128), (3, 896, 384), (20, 320, 160), (7, 768, 96), (2, 960, 640)],
+    "bart_large": [(5, 832, 160), (10, 512, 288), (20, 320, 96), (4, 640, 448)],
+    "t5_base": [(4, 1408, 256), (8, 960, 160), (16, 512, 96), (2, 1152, 1280), (24, 384, 96), (6, 768, 512)],
+    "qwen2_5_0_5b": [(2, 3072, 3072), (3, 2560, 2560), (7, 1152, 1152), (14, 704, 704), (24, 384, 384)],
+    "qwen2_5_1_5b": [(2, 3328, 3328), (4, 1792, 1792), (7, 992, 992), (12, 704, 704), (24, 320, 320)],
+}
 HELD_APART = {
     "run15": RUN15_SHAPES,
     "run16": RUN16_SHAPES,
     "run17": RUN17_SHAPES,
     "run18": RUN18_SHAPES,
     "run19": RUN19_SHAPES,
+    "run20": RUN20_SHAPES,
 }
 
 
