@@ -261,7 +261,9 @@ def _ways_out(ctx: RunContext, setup: TrainingSetup, measured: list[Any], limit:
         max_source=audit.max_source_length,
         trainable_params=setup.built.trainable_params,
         lora_enabled=cfg.model.lora.enabled,
-        predict=(lambda shape: calibration.estimate(shape).reserved) if calibration else None,
+        # the fitted model: a shorter length is searched 8 tokens at a time, hundreds of shapes where a replay each
+        # would take minutes; the rerun's preflight measures what the way out promises
+        predict=(lambda shape: calibration.estimate_fitted(shape).reserved) if calibration else None,
         min_coverage=cfg.preflight.min_coverage,
         savings=_knob_savings(ctx, setup.built.model),
     )
