@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from memfit.memory.allocator_history import ACTIONS  # the indices the traces store
+from memfit.memory.allocator_history import ACTIONS, segments, site_name  # the indices the traces store
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,11 +50,6 @@ def _shapes(cfg, arch, held_apart: str, model: str) -> list[tuple[str, object]]:
     return [("probe", shape) for shape in probes] + [("held_apart", shape) for shape in held]
 
 
-def _signature(frames: list[dict], depth: int) -> str:
-    """Where an allocation was made, the same at every shape: the innermost Python frames, file name and line."""
-    return "|".join(f"{Path(f['filename']).name}:{f['line']}:{f['name']}" for f in frames[:depth])
-
-
 def _events(snapshot: dict, signatures: dict[str, int], depth: int) -> dict:
     import numpy as np
 
@@ -68,26 +63,13 @@ def _events(snapshot: dict, signatures: dict[str, int], depth: int) -> dict:
     }
     if depth:  # each allocation's call site, as an index into `signatures` (-1 for other events)
         sites = [
-            signatures.setdefault(_signature(e.get("frames", []), depth), len(signatures))
+            signatures.setdefault(site_name(e.get("frames", []), depth), len(signatures))
             if e["action"] == "alloc"
             else -1
             for e in trace
         ]
         events["site"] = np.array(sites, dtype=np.int32)
     return events
-
-
-def _state(snapshot: dict) -> str:
-    """The allocator's segments and blocks when recording began, without stack frames."""
-    keep = ("address", "total_size", "stream", "segment_type", "is_expandable")
-    segments = [
-        {
-            **{k: s[k] for k in keep if k in s},
-            "blocks": [{k: b[k] for k in ("address", "size", "state") if k in b} for b in s.get("blocks", [])],
-        }
-        for s in snapshot.get("segments", [])
-    ]
-    return json.dumps(segments)
 
 
 def trace(
@@ -105,7 +87,7 @@ def trace(
     context = "alloc" if depth else None
     torch.cuda.memory._record_memory_history(enabled="all", context=context, stacks="python", max_entries=max_entries)
     try:
-        start = _state(torch.cuda.memory._snapshot())
+        start = json.dumps(segments(torch.cuda.memory._snapshot(), torch.cuda.current_device()))
         result = probe(setup, shape)[0]
         events = _events(torch.cuda.memory._snapshot(), signatures, depth)
     finally:

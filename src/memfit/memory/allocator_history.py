@@ -33,13 +33,13 @@ SITE_DEPTH = 8  # frames that name a call site: enough to tell one layer's alloc
 MAX_ENTRIES = 2_000_000  # a checkpointed pegasus_large probe makes ~0.1 M events (H100, benchmarks "Run 19")
 
 
-def site_name(frames: list[dict]) -> str:
-    """Where an allocation was made, the same at every shape: the innermost Python frames, file name and line
-    ("" for an allocation without Python frames, autograd's backward)."""
-    return "|".join(f"{Path(f['filename']).name}:{f['line']}:{f['name']}" for f in frames[:SITE_DEPTH])
+def site_name(frames: list[dict], depth: int = SITE_DEPTH) -> str:
+    """Where an allocation was made, the same at every shape: the innermost `depth` Python frames, file name and
+    line ("" for an allocation without Python frames, autograd's backward)."""
+    return "|".join(f"{Path(f['filename']).name}:{f['line']}:{f['name']}" for f in frames[:depth])
 
 
-def _segments(snapshot: dict, device: int) -> list[dict]:
+def segments(snapshot: dict, device: int) -> list[dict]:
     """The allocator's segments on `device` and their blocks, without stack frames."""
     keep = ("address", "total_size", "stream", "segment_type", "is_expandable")
     return [
@@ -52,8 +52,8 @@ def _segments(snapshot: dict, device: int) -> list[dict]:
     ]
 
 
-def events_from(trace: list[dict], segments: list[dict], sites: dict[str, int]) -> Events:
-    """Events from a device trace (a snapshot's `device_traces[i]`) and the segments when it began; each
+def events_from(trace: list[dict], start: list[dict], sites: dict[str, int]) -> Events:
+    """Events from a device trace (a snapshot's `device_traces[i]`) and the segments when it began (`start`); each
     allocation's call site is looked up in (and added to) `sites`."""
     index = {name: i for i, name in enumerate(ACTIONS)}
     return Events(
@@ -61,14 +61,14 @@ def events_from(trace: list[dict], segments: list[dict], sites: dict[str, int]) 
         [int(e.get("addr", 0)) for e in trace],  # none on an OOM
         [int(e.get("size", 0)) for e in trace],
         [sites.setdefault(site_name(e.get("frames", [])), len(sites)) if e["action"] == "alloc" else -1 for e in trace],
-        segments,
+        start,
     )
 
 
-def replayable(trace: list[dict], segments: list[dict]) -> str | None:
+def replayable(trace: list[dict], start: list[dict]) -> str | None:
     """Why the replay (one stream, expandable segments, the whole probe) cannot follow this trace; None where it
     can."""
-    if any(not s.get("is_expandable", False) for s in segments) or any(e["action"] == "segment_alloc" for e in trace):
+    if any(not s.get("is_expandable", False) for s in start) or any(e["action"] == "segment_alloc" for e in trace):
         return "the allocator's segments are not expandable (memory.expandable_segments)"
     if len({e.get("stream", 0) for e in trace if e["action"] == "alloc"}) > 1:
         return "allocations on more than one CUDA stream"
@@ -95,7 +95,7 @@ def record(run: Callable[[], T], sites: dict[str, int]) -> tuple[T, Events | Non
     history._record_memory_history(enabled=None)
     history._record_memory_history(enabled="all", context="alloc", stacks="python", max_entries=MAX_ENTRIES)
     try:
-        segments = _segments(history._snapshot(), device)
+        start = segments(history._snapshot(), device)
         result = run()
         snapshot = history._snapshot()
     finally:
@@ -104,6 +104,6 @@ def record(run: Callable[[], T], sites: dict[str, int]) -> tuple[T, Events | Non
     trace = traces[device] if device < len(traces) else []
     if not trace:
         return result, None, "the allocator recorded no events"
-    if (why := replayable(trace, segments)) is not None:
+    if (why := replayable(trace, start)) is not None:
         return result, None, why
-    return result, events_from(trace, segments, sites), None
+    return result, events_from(trace, start, sites), None

@@ -376,9 +376,8 @@ def _fit_and_cache(
         )
         return None
     calibration = Calibration(key, ident, arch, state, fit, measured)
-    if replays:
-        calibration.replay = fit_replay(probed, shapes)
-        calibration.reserved_by = "replay" if calibration.replay is not None else calibration.reserved_by
+    if replays and (replay := fit_replay(probed, shapes)) is not None:
+        calibration.replay, calibration.reserved_by = replay, "replay"
     calibration.seconds = time.perf_counter() - start
     cache_dir.mkdir(parents=True, exist_ok=True)
     calibration.save(cache_dir / f"{key}.json")
