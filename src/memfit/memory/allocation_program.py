@@ -12,8 +12,9 @@ takes its size at the probe nearest the shape asked for. Replaying the program a
 Measured on run 18's shapes (benchmarks/README.md, "Run 19"): within 2.5% of the measured peak reserved for every
 checkpointed model, where the fitted ratio model misses by up to 5.5%; without checkpointing a seq2seq backward is
 one long frameless run that the alignment follows less well (bart_large up to 6.5%). On run 19's fresh shapes,
-inside memfit's calibration ("Run 19 in memfit"): 41 checkpointed rows, median 0.00%, −1.38% to +5.35% (T5, where a
-template whose backward allocates otherwise reads high).
+inside memfit's calibration ("Run 19 in memfit"), the largest of three templates: 41 checkpointed rows, median 0.00%,
+−1.38% to +5.35% (T5, where a template whose backward allocates otherwise reads high). The mean of three, on run
+20's fresh shapes ("Run 20"): 43 checkpointed rows, median 0.00%, −0.76% to +1.35%.
 """
 
 from __future__ import annotations
