@@ -93,6 +93,8 @@ def test_reserved_by_replay_is_the_mean_of_the_nearest_templates_and_reads_back_
     nearest = sorted(range(4), key=distance.__getitem__)[:3]
     assert replayed.replays(target) == [replayed.programs[i].predict(target)[0] for i in nearest]
     assert replayed.reserved(target) == round(np.mean(replayed.replays(target)))
+    apart = replayed.replays((3, 300, 700))  # templates that disagree (the unfitted buffer is the nearest probe's)
+    assert min(apart) < replayed.reserved((3, 300, 700)) < max(apart)
     for shape in (target, (32, 2048, 512)):  # what the program would reserve there, run for real
         assert replayed.reserved(shape) == replay(probe(shape, *program_sizes(shape))[1]).peak_reserved
 

@@ -230,7 +230,7 @@ class ReservedByReplay:
         if shape not in self._replayed:
             nearest = sorted(range(len(self.shapes)), key=lambda i: _distance(self.shapes[i], shape))
             self._replayed[shape] = [self.programs[i].predict(shape)[0] for i in nearest[:NEAREST_TEMPLATES]]
-        return self._replayed[shape]
+        return list(self._replayed[shape])
 
     def reserved(self, shape: tuple[int, int, int]) -> int:
         return round(statistics.fmean(self.replays(shape)))
