@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from memfit.memory.allocator import ALLOC, FREE_COMPLETED, LARGE_PAGE
-from memfit.memory.allocator_history import events_from, replayable
+from memfit.memory.allocator_history import events_from, replayable, site_table
 
 FRAME = {"filename": "/site/transformers/models/t5/modeling_t5.py", "line": 42, "name": "forward"}
 SEGMENT = {"address": 1 << 40, "total_size": LARGE_PAGE, "segment_type": "large", "is_expandable": True}
@@ -22,7 +22,7 @@ def _trace(size: int) -> list[dict]:
 
 
 def test_probes_share_one_table_of_call_sites():
-    sites = {"": 0}
+    sites = site_table()
     first = events_from(_trace(4096), [SEGMENT], sites)
     second = events_from(_trace(8192), [SEGMENT], sites)
     assert first.action[:4] == [ALLOC, ALLOC, 1, FREE_COMPLETED]

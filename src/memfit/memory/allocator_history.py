@@ -31,6 +31,12 @@ ACTIONS = (
 )
 SITE_DEPTH = 8  # frames that name a call site: enough to tell one layer's allocations apart from another's
 MAX_ENTRIES = 2_000_000  # a checkpointed pegasus_large probe makes ~0.1 M events (H100, benchmarks "Run 19")
+FRAMELESS = 0  # the call-site index of allocations without Python frames (autograd's backward) in a site_table
+
+
+def site_table() -> dict[str, int]:
+    """A new call-site table for one calibration's probes (name -> index), the frameless site at FRAMELESS."""
+    return {"": FRAMELESS}
 
 
 def site_name(frames: list[dict], depth: int = SITE_DEPTH) -> str:

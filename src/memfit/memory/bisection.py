@@ -6,9 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 
-def largest_fitting(fits: Callable[[int], bool], upper: int) -> int:
-    """The largest batch in [0, upper] that fits: bisection, since every peak grows with the rows."""
-    low, high = 0, upper
+def largest_fitting(fits: Callable[[int], bool], upper: int, lower: int = 0) -> int:
+    """The largest batch in [lower, upper] that fits, `lower` taken to fit: bisection, since every peak grows with
+    the rows."""
+    low, high = lower, upper
     while low < high:
         middle = (low + high + 1) // 2
         low, high = (middle, high) if fits(middle) else (low, middle - 1)
@@ -32,7 +33,4 @@ def largest_fitting_near(fits: Callable[[int], bool], guess: int, upper: int) ->
         if high == low:
             return low
         high -= 1
-    while low < high:
-        middle = (low + high + 1) // 2
-        low, high = (middle, high) if fits(middle) else (low, middle - 1)
-    return low
+    return largest_fitting(fits, high, low)

@@ -35,6 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from memfit.config.schema import memory_knobs, step_accumulates
 from memfit.data.audit import BatchShape
 from memfit.memory.allocation_program import ReservedByReplay
+from memfit.memory.allocator_history import site_table
 from memfit.memory.bisection import largest_fitting_near
 from memfit.memory.calibration_probes import fit_replay, measure_probes, replays_reserved
 from memfit.memory.model import (
@@ -353,7 +354,7 @@ def _fit_and_cache(
     for tokens, scale in probe_plan(cfg, arch):
         multiple, positions = cfg.memory.pad_to_multiple_of, cfg.model.max_positions
         shapes = calibration_shapes(arch, tokens, multiple, scale, positions, checkpointed)
-        sites: dict[str, int] | None = {"": 0} if replays else None  # index 0: allocations without Python frames
+        sites = site_table() if replays else None
         probed = measure_probes(setup, shapes, on_probe, sites)
         measured = probed.rows
         if len(measured) == len(shapes):

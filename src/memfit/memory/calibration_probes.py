@@ -15,6 +15,7 @@ from memfit.config.validate import expandable_segments_on
 from memfit.data.audit import BatchShape
 from memfit.memory.allocation_program import ReservedByReplay
 from memfit.memory.allocator import Events
+from memfit.memory.allocator_history import FRAMELESS
 
 log = logging.getLogger("memfit.memory.calibration")
 
@@ -80,7 +81,7 @@ def fit_replay(probed: Measured, shapes: list[BatchShape]) -> ReservedByReplay |
     if probed.not_recorded is None:
         shaped = [((s.batch, s.source, s.label), e) for s, e in zip(shapes, probed.events, strict=True)]
         try:
-            return ReservedByReplay.fit(shaped, frameless=0)
+            return ReservedByReplay.fit(shaped, frameless=FRAMELESS)
         except ValueError as err:
             probed.not_recorded = str(err)
     log.warning("memory model: reserved predicted by the fitted ratio, not by replay: %s", probed.not_recorded)
