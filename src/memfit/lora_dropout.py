@@ -35,11 +35,12 @@ class _DroppedProjection(torch.autograd.Function):
         x, mask, weight = ctx.saved_tensors
         dtype = grad.dtype  # the product's dtype: autocast's, else the weight's
         grad_x = grad_weight = None
+        # native_dropout_backward: the product by the mask and the scale in one kernel, not two
         if ctx.needs_input_grad[0]:
-            grad_x = (grad @ weight.to(dtype)) * mask * ctx.scale
+            grad_x = torch.ops.aten.native_dropout_backward(grad @ weight.to(dtype), mask, ctx.scale)
             grad_x = grad_x.to(x.dtype)
         if ctx.needs_input_grad[1]:
-            dropped = x.to(dtype) * mask * ctx.scale
+            dropped = torch.ops.aten.native_dropout_backward(x.to(dtype), mask, ctx.scale)
             grad_weight = (grad.reshape(-1, grad.shape[-1]).T @ dropped.reshape(-1, x.shape[-1])).to(weight.dtype)
         return grad_x, grad_weight, None
 

@@ -187,6 +187,11 @@ def _apply_lora(model: Any, model_cfg: DictConfig, memory: DictConfig) -> Any:
 
         recompute_lora_dropout(model)
         log.info("memory.recompute_lora_dropout=true: LoRA's dropped inputs are recomputed in the backward pass")
+    if memory.fused_lora_update:
+        from memfit.lora_update import fuse_lora_updates
+
+        fused = fuse_lora_updates(model)
+        log.info("memory.fused_lora_update=true: %d LoRA updates added inside their up-projection's GEMM", fused)
     return model
 
 

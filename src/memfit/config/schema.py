@@ -152,6 +152,10 @@ class MemoryConfig:
     )
     # LoRA's dropout replayed in the backward pass instead of kept (memfit.models.recompute_lora_dropout)
     recompute_lora_dropout: bool = knob(False, step=True, applied_by="model")
+    # LoRA's update added inside its up-projection's GEMM instead of scaled and summed apart (memfit.lora_update)
+    fused_lora_update: bool = knob(False, step=True, applied_by="model")
+    # a causal LM's right-padded batches without their padding mask: SDPA's causal kernel (memfit.data.collate)
+    causal_padding_mask: bool = knob(True, step=True, applied_by="collator")
     # one additive attention mask per forward pass, kept once, not once per layer (memfit.attention_mask)
     shared_attention_mask: bool = knob(False, step=True, applied_by="model")
     load_in_4bit: bool = knob(

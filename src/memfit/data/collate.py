@@ -35,10 +35,18 @@ class CountingCollator:
     Counting here, on CPU lists before the batch reaches the device, costs no GPU synchronisation.
     """
 
-    def __init__(self, tokenizer: Any, pad_to_multiple_of: int | None, task: str = "seq2seq"):
+    def __init__(
+        self, tokenizer: Any, pad_to_multiple_of: int | None, task: str = "seq2seq", padding_mask: bool = True
+    ):
         from transformers import DataCollatorForSeq2Seq
 
         self.task, self.pad_to_multiple_of = task, pad_to_multiple_of
+        # memory.causal_padding_mask=false: a causal LM's right-padded batch goes without its padding mask. The
+        # causal mask alone keeps every real token from the padding after it, so the real tokens' outputs, loss and
+        # gradients are the same, and attention takes SDPA's causal kernel instead of a masked one; only the pad
+        # positions' own outputs change, which nothing reads. Left padding needs its mask and keeps it.
+        right_padded = getattr(tokenizer, "padding_side", "right") == "right"
+        self.drops_padding_mask = task == "causal" and not padding_mask and right_padded
         self.count_labels = task == "seq2seq"  # a causal LM's labels are its own input tokens
         # trainer.batching=budget: the batch plan's capacity(source, label); a step's samples are then packed into
         # budget-shaped micro-batches (memfit.data.packing). None: one micro-batch per step, as collated.
@@ -77,8 +85,15 @@ class CountingCollator:
         groups = pack(lengths, self.capacity, self.pad_to_multiple_of)
         return MicroBatches(self._collate([features[i] for i in group]) for group in groups)
 
-    def _collate(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+    def pad(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        """The padded batch as training takes it, counted or not (the preflight's probes are padded here too)."""
         batch = self.inner(features)
+        if self.drops_padding_mask:
+            batch.pop("attention_mask", None)
+        return batch
+
+    def _collate(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = self.pad(features)
         if self.counting:
             tokens = sum(len(f["input_ids"]) for f in features)
             padded_tokens = batch["input_ids"].numel()

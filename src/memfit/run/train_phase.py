@@ -41,7 +41,10 @@ def prepare_training(ctx: RunContext) -> TrainingSetup:
         _count(built.trainable_params),
         " (random weights)" if built.random_weights else "",
     )
-    collator = CountingCollator(ctx.tokenizer, cfg.memory.pad_to_multiple_of, cfg.model.task)
+    memory = cfg.memory
+    collator = CountingCollator(ctx.tokenizer, memory.pad_to_multiple_of, cfg.model.task, memory.causal_padding_mask)
+    if collator.drops_padding_mask:
+        log.info("memory.causal_padding_mask=false: right-padded batches attend through the causal mask alone")
     callback = make_callback(ctx.meter, ctx.tracker, collator, cfg.trainer.max_train_tokens)
     callbacks = [callback, stop_check_callback(), *faults.callbacks_for(run_name(cfg)), *ctx.callbacks]
     ready = {split: model_columns(ds) for split, ds in ctx.prepared.datasets.items()}

@@ -36,7 +36,7 @@ def probe_setup(ctx: RunContext, setup: TrainingSetup) -> Any:
     return ProbeSetup(
         model=built.model,
         make_optimizer=make_optimizer,
-        collator=setup.collator.inner,
+        collator=setup.collator.pad,
         meter=ctx.meter,
         device=ctx.device,
         task=cfg.model.task,
