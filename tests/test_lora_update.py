@@ -14,14 +14,14 @@ ADAPTERS = 7 * 2  # tiny_causal: two layers of seven adapted projections
 
 
 class CountAddmm(torch.overrides.TorchFunctionMode):
-    """How many times torch.addmm was called."""
+    """How many times addmm (in place or not) was called."""
 
     def __init__(self) -> None:
         super().__init__()
         self.calls = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.calls += func is torch.addmm
+        self.calls += func in (torch.addmm, torch.Tensor.addmm_)
         return func(*args, **(kwargs or {}))
 
 

@@ -3,10 +3,10 @@
 peft adds an adapter to its projection as `result + lora_B(lora_A(dropout(x))) * scaling`: beside the two small
 matmuls, a product by `scaling` and a sum, each one more kernel that reads and writes the projection's whole output
 (tokens × out_features), and the product once more in the backward pass; on a GPU these cost as much time as the
-matmuls around them. Here the up-projection is `torch.addmm(result, h, lora_B.T, alpha=scaling)`: the GEMM scales the
-rank-r product and adds it to the projection's output in its epilogue, and in the backward pass addmm hands its
-gradient to `result` as it is and scales only the rank-r side. The same sum, three full-size kernels and temporaries
-fewer per adapter.
+matmuls around them. Here the up-projection is `result.addmm_(h, lora_B.T, alpha=scaling)`: the GEMM scales the
+rank-r product and adds it into the projection's output in its epilogue, in place, and in the backward pass addmm
+hands its gradient to `result` as it is and scales only the rank-r side. The same sum, three full-size kernels and
+temporaries fewer per adapter.
 
 Only the plain case takes that path: one active adapter, unmerged, with no DoRA or other variant, no per-sample
 adapter names and no bias on lora_B; any other call runs peft's own forward. The module stays a peft `lora.Linear`
@@ -34,15 +34,14 @@ class FusedUpdateLinear(LoraLinear):
         autocast = torch.is_autocast_enabled(x.device.type)
         if not autocast and not x.dtype == down.weight.dtype == up.weight.dtype == self.base_layer.weight.dtype:
             return super().forward(x, *args, **kwargs)  # peft's casts decide the dtypes of mixed ones
-        result = self.base_layer(x)
-        rank_side = down(self.lora_dropout[adapter](x))
-        updated = torch.addmm(
-            result.reshape(-1, result.shape[-1]),
-            rank_side.reshape(-1, rank_side.shape[-1]),
-            up.weight.t(),
-            alpha=self.scaling[adapter],
-        )
-        return updated.view(result.shape)
+        rows = x.reshape(-1, x.shape[-1])
+        result = self.base_layer(rows)  # 2-D, not a view: the update is added into it in place
+        rank_side = down(self.lora_dropout[adapter](rows))
+        # in place, so no copy of the projection's output is made to add into; an in-place op takes no autocast:
+        # the rank-r side and the up-projection in the output's dtype, as autocast would cast them
+        weight = up.weight.to(result.dtype).t()
+        result.addmm_(rank_side.to(result.dtype), weight, alpha=self.scaling[adapter])
+        return result.view(*x.shape[:-1], result.shape[-1])
 
     def _plain_adapter(self, args: tuple, kwargs: dict) -> str | None:
         """The one active adapter when this call is the plain case, else None (peft's forward then runs)."""
