@@ -6,7 +6,8 @@ kernel launch for most), whatever its size, so the count bounds what fewer, fuse
 
 The model is qwen2_5_1_5b's 28 layers and seven LoRA targets at a width of 64 (the operations are the true model's;
 only their sizes shrink), `memory=balanced` with the chunked loss, a padded batch of 2 × 32 tokens, the loss told
-its label count as training tells it. Every aten operation of one forward and one backward pass is counted by name
+its label count as training tells it (without its padding mask where memory.causal_padding_mask=false, as the
+collator hands it over). Every aten operation of one forward and one backward pass is counted by name
 (a TorchDispatchMode), once with the adapters and once with peft's adapters disabled.
 """
 
@@ -27,6 +28,11 @@ from token_steps_convergence_cpu import compose  # noqa: E402
 
 COUNTED = ("balanced", "lora dropout 0", "memory.recompute_lora_dropout=false")  # the knobs that change LoRA's
 VARIANTS = {name: HOST_COST_VARIANTS[name] for name in COUNTED}
+# session 44's two knobs off: peft's own update (a scaled copy and a separate sum) and the padding mask
+VARIANTS["memory.fused_lora_update=false, causal_padding_mask=true"] = [
+    "memory.fused_lora_update=false",
+    "memory.causal_padding_mask=true",
+]
 
 
 def count_step(model, batch: dict, positions: int) -> tuple[collections.Counter, collections.Counter]:
@@ -84,9 +90,11 @@ def main() -> None:
         # the embeddings' output asks for a gradient, so that with the adapters off the backward pass still runs
         # through every layer, as LoRA's does to reach its adapters
         model.get_base_model().enable_input_require_grads()
-        forward, backward = count_step(model, batch, positions)
+        # memory.causal_padding_mask=false: the collator hands a right-padded batch over without its mask
+        taken = batch if cfg.memory.causal_padding_mask else {k: v for k, v in batch.items() if k != "attention_mask"}
+        forward, backward = count_step(model, taken, positions)
         with model.disable_adapter():
-            base_forward, base_backward = count_step(model, batch, positions)
+            base_forward, base_backward = count_step(model, taken, positions)
         row = {
             "forward": sum(forward.values()),
             "backward": sum(backward.values()),

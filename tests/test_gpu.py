@@ -383,3 +383,43 @@ def test_a_checkpointed_calibration_replays_its_probes_to_the_byte_and_predicts_
     reports = [json.loads(path.read_text()) for path in tmp_path.glob("runs/*/*/report.json")]
     report = next(r for r in reports if r["worst_case_peak_gib"] is not None)
     assert abs(report["predicted_peak_gib"] / report["worst_case_peak_gib"] - 1) < 0.08, report
+
+
+def test_the_fused_lora_update_and_a_maskless_right_padded_batch_train_as_peft_with_its_mask(compose_cfg):
+    """memory.fused_lora_update (addmm_ under CUDA autocast) and memory.causal_padding_mask=false (SDPA's causal
+    kernel) against peft's forward over the padding mask: the same loss and gradients, to bf16's precision."""
+    from memfit.data import CountingCollator
+    from memfit.models import build_model, build_tokenizer
+
+    rows = [list(range(1000, 1000 + n)) for n in (40, 29, 13)]
+    features = [{"input_ids": r, "attention_mask": [1] * len(r), "labels": list(r)} for r in rows]
+    results = []
+    for fused, masked in ((False, True), (True, False)):
+        cfg = compose_cfg(
+            *GPU_RUN,
+            "model=tiny_causal",
+            "memory=balanced",
+            "model.lora.dropout=0.1",
+            "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]",
+            f"memory.fused_lora_update={fused}",
+            f"memory.causal_padding_mask={masked}",
+        )
+        tokenizer = build_tokenizer(cfg.model)
+        torch.manual_seed(0)
+        model = build_model(cfg, tokenizer, "cuda").model.train()
+        with torch.no_grad():  # peft starts lora_B at zero: give the update a value to add
+            for name, parameter in model.named_parameters():
+                if "lora_B" in name:
+                    parameter.normal_(std=0.02)
+        collator = CountingCollator(tokenizer, 8, "causal", padding_mask=masked)
+        batch = {k: v.to("cuda") for k, v in collator.pad(features).items()}
+        assert ("attention_mask" in batch) is masked
+        torch.manual_seed(1)  # the same dropout masks
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(**batch).loss
+        loss.backward()
+        results.append((loss.item(), {n: p.grad.float() for n, p in model.named_parameters() if p.requires_grad}))
+    (loss, grads), (fused_loss, fused_grads) = results
+    assert fused_loss == pytest.approx(loss, abs=2e-2)
+    for name, grad in grads.items():
+        torch.testing.assert_close(fused_grads[name], grad, rtol=5e-2, atol=5e-3, msg=name)
