@@ -51,7 +51,8 @@ class FusedUpdateLinear(LoraLinear):
         if len(active) != 1:
             return None
         adapter = active[0]
-        if adapter not in self.lora_A or adapter in self.lora_variant or self.lora_B[adapter].bias is not None:
+        variants = getattr(self, "lora_variant", {})  # DoRA and the like (peft >= 0.17 keeps them here)
+        if adapter not in self.lora_A or adapter in variants or self.lora_B[adapter].bias is not None:
             return None
         return adapter
 
