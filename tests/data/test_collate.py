@@ -61,3 +61,16 @@ def test_seq2seq_batches_keep_their_mask(compose_cfg):
     collator = CountingCollator(build_tokenizer(cfg.model), 8, "seq2seq", padding_mask=False)
     assert not collator.drops_padding_mask
     assert "attention_mask" in collator.pad(_features())
+
+
+def test_the_preflight_s_probe_batches_are_padded_as_training_takes_them(compose_cfg):
+    from memfit.data.audit import BatchShape
+    from memfit.memory.probe import make_batch
+
+    cfg = compose_cfg("trainer.device=cpu", "model=tiny_causal")
+    tokenizer = build_tokenizer(cfg.model)
+    for padding_mask in (True, False):
+        collator = CountingCollator(tokenizer, 8, "causal", padding_mask=padding_mask)
+        batch = make_batch(BatchShape(3, 16, 16), collator.pad, "causal", len(tokenizer), "cpu")
+        assert batch["input_ids"].shape == (3, 16)
+        assert ("attention_mask" in batch) is padding_mask  # the probe's short last row is padded, as in training
