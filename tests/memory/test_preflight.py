@@ -364,7 +364,7 @@ def _ways_at_qwen_shape(**knobs) -> list[str]:
         optimizer="adamw",
         precision="bf16",
         loss="fused",
-        **{"recompute_lora_dropout": True, "shared_attention_mask": True, **knobs},
+        **{"recompute_lora_dropout": True, "shared_attention_mask": True, "causal_padding_mask": True, **knobs},
     )
     arch = Architecture("causal", 151936, 0, 28, 12, quadratic_attention=False)
     copies = DroppedCopies(source_width=0, target_width=6144 * 28)
@@ -398,3 +398,8 @@ def test_a_knob_left_off_is_a_way_out_ranked_by_its_saving(knob, saving):
     assert saving in way
     assert off.index(way) < off.index(next(w for w in off if w.startswith("memory.optimizer=")))  # more than 0.06 GiB
     assert not [w for w in _ways_at_qwen_shape() if knob in w]
+
+
+def test_no_shared_mask_is_promised_where_a_causal_batch_goes_without_its_mask():
+    maskless = _ways_at_qwen_shape(shared_attention_mask=False, causal_padding_mask=False)
+    assert not [w for w in maskless if "shared_attention_mask" in w]

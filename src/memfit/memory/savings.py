@@ -102,7 +102,10 @@ def knob_savings(memory: Any, arch: Architecture, copies: DroppedCopies, shape: 
         savings["recompute_lora_dropout"] = copies.bytes(
             shape.batch, shape.source, shape.label, arch.task, memory.precision
         )
-    if not memory.shared_attention_mask:
+    # a causal model's right-padded batches without their padding mask (memory.causal_padding_mask=false) make no
+    # mask to share; a left-padding tokenizer keeps it, and the way out is then left unsaid, never promised
+    maskless = arch.task == "causal" and not memory.causal_padding_mask
+    if not memory.shared_attention_mask and not maskless:
         savings["shared_attention_mask"] = mask_copies(shape.batch, shape.source, shape.label, arch, memory.precision)
     if memory.loss == "standard":
         from memfit.memory.loss import chunked_saving
