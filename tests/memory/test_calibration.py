@@ -466,11 +466,15 @@ def test_estimate_only_says_what_a_shared_attention_mask_would_save(compose_cfg,
     """tiny_causal (two layers) at the long tail's worst batch, in fp32: one batch × length² mask copy beyond the
     shared one, 4 bytes an element."""
     causal = (compose_cfg, tmp_path, capsys, long_tail_jsonl)
-    out, rows, tokens = _estimate_only_at_the_long_tail(*causal, "memory.shared_attention_mask=false")
+    masked = "memory.causal_padding_mask=true"  # the padded batch carries its mask to every layer
+    out, rows, tokens = _estimate_only_at_the_long_tail(*causal, masked, "memory.shared_attention_mask=false")
     saving = rows * tokens * tokens * 4  # (2 - 1) layers
     assert f"memory.shared_attention_mask=true would hold ~{saving / 2**20:.1f} MiB less at this batch" in out
-    out, _, _ = _estimate_only_at_the_long_tail(*causal, "memory.shared_attention_mask=true")
+    out, _, _ = _estimate_only_at_the_long_tail(*causal, masked, "memory.shared_attention_mask=true")
     assert "memory.shared_attention_mask=true would hold" not in out  # already shared
+    # balanced's causal batches go without their padding mask: there is no mask to share
+    out, _, _ = _estimate_only_at_the_long_tail(*causal, "memory.shared_attention_mask=false")
+    assert "memory.shared_attention_mask=true would hold" not in out
 
 
 def _probes(peak, arch: Architecture, convex: bool = True) -> list[dict]:
