@@ -219,6 +219,10 @@ def test_missing_column_is_named(compose_cfg, tmp_path):
             "memory.max_lable_length is not a config key: did you mean memory.max_label_length?",
         ),
         ("trainer.batch_size=1.5", "trainer.batch_size=1.5 is not an integer: set trainer.batch_size to an integer"),
+        (
+            "memory.causal_padding_mask=maybe",
+            "memory.causal_padding_mask=maybe is not true or false: set memory.causal_padding_mask to true or false",
+        ),
         ("memory=tigh", "memory=tigh is not an option of memory: did you mean memory=tight?"),
         ("model.name=???", "model.name is missing (???): set model.name=<value>"),
         ("trainer.batch_size=[1", "an override does not parse (no viable alternative at input '[1')"),

@@ -14,7 +14,13 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
-EXPECTED = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false", "String": "a string"}
+EXPECTED = {
+    "Integer": "an integer",
+    "Float": "a number",
+    "Boolean": "true or false",
+    "bool": "true or false",
+    "String": "a string",
+}
 
 
 def schema_keys(cls: type | None = None, prefix: str = "") -> list[str]:
@@ -69,7 +75,8 @@ def _bad_value(cause: Any) -> str | None:
     if isinstance(cause, ConfigAttributeError | ConfigKeyError):
         return f"{key} is not a config key{_nearest(key)} (python train.py --cfg job lists them)"
     if isinstance(cause, ValidationError):
-        wanted = re.search(r"converted to (\w+)", str(cause))
+        # "could not be converted to Integer", or a bool's "is not a valid bool"
+        wanted = re.search(r"converted to (\w+)", str(cause)) or re.search(r"is not a valid (\w+)", str(cause))
         expected = EXPECTED.get(wanted.group(1), wanted.group(1)) if wanted else "another type"
         return f"{key}={_value_text(cause)} is not {expected}: set {key} to {expected}"
     return None
