@@ -65,7 +65,7 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    from memfit.data.collate import loss_positions
+    from memfit.data.collate import CountingCollator, loss_positions
     from memfit.models import build_model, build_tokenizer
 
     narrow = [
@@ -86,12 +86,14 @@ def main() -> None:
     results: dict = {"command": " ".join(sys.argv), "variants": {}}
     for name, extra in VARIANTS.items():
         cfg = compose([*narrow, *extra])
-        model = build_model(cfg, build_tokenizer(cfg.model), "cpu").model.train()
+        tokenizer = build_tokenizer(cfg.model)
+        model = build_model(cfg, tokenizer, "cpu").model.train()
         # the embeddings' output asks for a gradient, so that with the adapters off the backward pass still runs
         # through every layer, as LoRA's does to reach its adapters
         model.get_base_model().enable_input_require_grads()
-        # memory.causal_padding_mask=false: the collator hands a right-padded batch over without its mask
-        taken = batch if cfg.memory.causal_padding_mask else {k: v for k, v in batch.items() if k != "attention_mask"}
+        # the batch as training's collator hands it over: without its mask where memory.causal_padding_mask=false
+        collator = CountingCollator(tokenizer, None, "causal", cfg.memory.causal_padding_mask)
+        taken = {k: v for k, v in batch.items() if not (k == "attention_mask" and collator.drops_padding_mask)}
         forward, backward = count_step(model, taken, positions)
         with model.disable_adapter():
             base_forward, base_backward = count_step(model, taken, positions)

@@ -73,6 +73,17 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
+def draw_lora_up_weights(model, std: float = 0.02) -> None:
+    """peft starts every lora_B at zero, so an adapter adds nothing until trained: draw its weights (from torch's
+    seeded generator) so that a test's adapters change the loss and the gradients."""
+    import torch
+
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(std=std)
+
+
 @pytest.fixture
 def long_tail_jsonl(tmp_path) -> Path:
     """40 short pairs and 2 with very long labels: the rare sample that breaks a typical-batch probe."""

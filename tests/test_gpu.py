@@ -390,6 +390,7 @@ def test_the_fused_lora_update_and_a_maskless_right_padded_batch_train_as_peft_w
     kernel) against peft's forward over the padding mask: the same loss and gradients, to bf16's precision."""
     from memfit.data import CountingCollator
     from memfit.models import build_model, build_tokenizer
+    from tests.conftest import draw_lora_up_weights
 
     rows = [list(range(1000, 1000 + n)) for n in (40, 29, 13)]
     features = [{"input_ids": r, "attention_mask": [1] * len(r), "labels": list(r)} for r in rows]
@@ -407,10 +408,7 @@ def test_the_fused_lora_update_and_a_maskless_right_padded_batch_train_as_peft_w
         tokenizer = build_tokenizer(cfg.model)
         torch.manual_seed(0)
         model = build_model(cfg, tokenizer, "cuda").model.train()
-        with torch.no_grad():  # peft starts lora_B at zero: give the update a value to add
-            for name, parameter in model.named_parameters():
-                if "lora_B" in name:
-                    parameter.normal_(std=0.02)
+        draw_lora_up_weights(model)
         collator = CountingCollator(tokenizer, 8, "causal", padding_mask=masked)
         batch = {k: v.to("cuda") for k, v in collator.pad(features).items()}
         assert ("attention_mask" in batch) is masked

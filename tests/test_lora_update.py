@@ -8,6 +8,7 @@ from peft.tuners.lora.layer import Linear as LoraLinear
 
 from memfit import lora_update
 from memfit.models import build_model, build_tokenizer
+from tests.conftest import draw_lora_up_weights
 
 TARGETS = "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"
 ADAPTERS = 7 * 2  # tiny_causal: two layers of seven adapted projections
@@ -30,10 +31,7 @@ def _build(compose_cfg, caplog, *overrides: str) -> torch.nn.Module:
     torch.manual_seed(0)
     with caplog.at_level("INFO"):
         model = build_model(cfg, build_tokenizer(cfg.model), "cpu").model
-    with torch.no_grad():  # peft starts lora_B at zero: give the update a value to add
-        for name, parameter in model.named_parameters():
-            if "lora_B" in name:
-                parameter.normal_(std=0.02, generator=torch.Generator().manual_seed(len(name)))
+    draw_lora_up_weights(model)  # after the seeded build: the same draws in both models
     return model.train()
 
 

@@ -7,6 +7,7 @@ import torch
 
 from memfit.data import CountingCollator
 from memfit.models import build_model, build_tokenizer
+from tests.conftest import draw_lora_up_weights
 
 # three rows of unequal length: the shorter two are padded on the right
 ROWS = [list(range(1000, 1000 + n)) for n in (24, 17, 9)]
@@ -21,10 +22,7 @@ def _model_and_tokenizer(compose_cfg):
     tokenizer = build_tokenizer(cfg.model)
     torch.manual_seed(0)
     model = build_model(cfg, tokenizer, "cpu").model
-    with torch.no_grad():  # peft starts lora_B at zero: give the adapters a say in the gradients
-        for name, parameter in model.named_parameters():
-            if "lora_B" in name:
-                parameter.normal_(std=0.02)
+    draw_lora_up_weights(model)
     return model.train(), tokenizer
 
 
