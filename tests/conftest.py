@@ -269,6 +269,42 @@ def readme_budget_sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedPro
     return out, done
 
 
+# The settings of a CPU sweep's trials on tiny_seq2seq that decide its memory model's calibration key (model,
+# policy, device, accumulation: memfit.memory.calibration.identity), as the sweeps in tests/sweep run them.
+TINY_SEQ2SEQ_SWEEP_POLICY = ["model=tiny_seq2seq", "trainer.device=cpu", "memory.precision=fp32"]
+
+
+@pytest.fixture(scope="session")
+def tiny_seq2seq_calibration(tmp_path_factory) -> Callable[[Path], list[str]]:
+    """Copies into an output_dir's calibration cache the memory model of tiny_seq2seq's CPU sweep trials, fitted
+    once per session (one xdist worker fits it, under a lock, the others wait and share it): a sweep test whose
+    subject is not calibration starts as on a machine that calibrated before, rather than paying ~15-60 CPU
+    seconds of probes again (tests/memory/test_calibration.py and test_readme.py fit it from nothing). Returns
+    the keys copied."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's directory, above each worker's own
+    fitted = root / "tiny_seq2seq_calibration"
+    with FileLock(str(root / "tiny_seq2seq_calibration.lock")):
+        if not list((fitted / "calibration").glob("*.json")):
+            args = [*TINY_SEQ2SEQ_SWEEP_POLICY, "trainer.batch_size=1", "trainer.batching=fixed", "tracking=none"]
+            args += ["estimate_only=true", "calibration.enabled=true", "data.max_train_samples=8"]
+            done = run_train_py(*args, f"output_dir={fitted}")
+            assert done.returncode == 0, done.stderr[-3000:]
+    files = sorted((fitted / "calibration").glob("*.json"))
+
+    def seed(output_dir: Path) -> list[str]:
+        cache = output_dir / "calibration"
+        cache.mkdir(parents=True, exist_ok=True)
+        for file in files:
+            shutil.copy(file, cache / file.name)
+        return [file.stem for file in files]
+
+    return seed
+
+
 def _postgres_bin() -> Path | None:
     """Debian's PostgreSQL server binaries (package postgresql), or None."""
     found = shutil.which("initdb")

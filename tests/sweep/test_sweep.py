@@ -595,7 +595,9 @@ def test_faults_in_trials_and_a_killed_sweeper_lose_nothing(tmp_path, monkeypatc
     assert by_trial[6].info.status == "FINISHED" and "train/loss" in by_trial[6].data.metrics
 
 
-def test_sigterm_stops_a_sweep_recording_its_trial_interrupted_and_the_rerun_measures_it(tmp_path):
+def test_sigterm_stops_a_sweep_recording_its_trial_interrupted_and_the_rerun_measures_it(
+    tmp_path, tiny_seq2seq_calibration
+):
     """SIGTERM to the sweeper mid-trial: the trial process is stopped too and ends its MLflow run KILLED, the trial is
     FAIL `interrupted` with its configuration queued again, the sweep's run ends KILLED, and the sweeper exits 143;
     rerunning the command measures the queued configuration.
@@ -608,16 +610,18 @@ def test_sigterm_stops_a_sweep_recording_its_trial_interrupted_and_the_rerun_mea
     from tests.conftest import run_train_py, start_train_py, train_py_env
 
     recipe_batches = [a for a in SMALL_SWEEP if not a.startswith("trainer.batch_size")]  # sized in a forked job
-    # a trial long enough that SIGTERM lands while it trains: 200 steps, not the ~40 micro-batches a fixed-batch trial
-    # times by default (20 steps at a large batch: ~1 s)
+    # a trial long enough that SIGTERM (a second after the trial starts) lands before it ends: 60 steps of ~50 ms
+    # after its ~1.5 s start-up, not the ~40 micro-batches a fixed-batch trial times by default (20 steps at a large
+    # batch: ~1 s); the rerun trains them all
     args = [
         *recipe_batches,
         *sweep_outputs(tmp_path),
         "hydra.sweeper.n_trials=1",
-        "trainer.max_steps=200",
+        "trainer.max_steps=60",
         "hydra.sweeper.segment_micro_batches=null",
     ]
     name, storage = "memfit-tiny_seq2seq-aclsum-nobudget", f"sqlite:///{tmp_path}/optuna.db"
+    (key,) = tiny_seq2seq_calibration(tmp_path)  # the sizing job reads its memory model from the cache
     errors = tmp_path / "sweeper.err"
     sweeper = start_train_py(args, tmp_path / "sweeper.out", train_py_env(), errors=errors)
     try:
@@ -634,6 +638,8 @@ def test_sigterm_stops_a_sweep_recording_its_trial_interrupted_and_the_rerun_mea
     largest = int(re.search(rf"sized by the memory model: largest batch predicted to fit at {at}: (\d+)", said)[1])
     choices = Sizing(largest, 24, {}).choices()  # capped at the 24 training samples
     assert f"trainer.batch_size: {choices} (sized by the memory model" in said
+    assert f"memory model calibration {key})" in said  # the cached one: no probes ran
+    assert not [log for log in (tmp_path / "sweep").rglob("*.log") if "memory model: calibrated" in log.read_text()]
 
     study = optuna.load_study(study_name=name, storage=storage)
     first = study.trials[0]
@@ -871,8 +877,12 @@ def test_when_the_sampler_proposes_only_known_configurations_an_unmeasured_one_i
 
 
 @pytest.mark.slow
-def test_a_sweep_chooses_between_fixed_and_budget_shaped_batches_and_searches_the_plans_knobs(tmp_path):
-    """docs/sweeps.md's command, with random draws that give two fixed, then budget-shaped trials."""
+def test_a_sweep_chooses_between_fixed_and_budget_shaped_batches_and_searches_the_plans_knobs(
+    tmp_path, tiny_seq2seq_calibration
+):
+    """docs/sweeps.md's command, with random draws that give two fixed, then budget-shaped trials (their plans
+    sized by a memory model calibrated before, as on a machine that swept this model already)."""
+    tiny_seq2seq_calibration(tmp_path)
     args = [
         *readme_command("python train.py -m sweep=budget model=tiny_seq2seq budget.gib=1.7 hydra.sweeper.n_trials=3")[
             3:
