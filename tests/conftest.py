@@ -279,8 +279,8 @@ def tiny_seq2seq_calibration(tmp_path_factory) -> Callable[[Path], list[str]]:
     """Copies into an output_dir's calibration cache the memory model of tiny_seq2seq's CPU sweep trials, fitted
     once per session (one xdist worker fits it, under a lock, the others wait and share it): a sweep test whose
     subject is not calibration starts as on a machine that calibrated before, rather than paying ~15-60 CPU
-    seconds of probes again (tests/memory/test_calibration.py and test_readme.py fit it from nothing). Returns
-    the keys copied."""
+    seconds of probes again. Fitting from nothing is tested in tests/memory/test_calibration.py (a sweep's
+    sizing job too) and by the README's estimate_only example. Returns the keys copied."""
     from filelock import FileLock
 
     root = tmp_path_factory.getbasetemp()
