@@ -269,11 +269,6 @@ def readme_budget_sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedPro
     return out, done
 
 
-# The settings of a CPU sweep's trials on tiny_seq2seq that decide its memory model's calibration key (model,
-# policy, device, accumulation: memfit.memory.calibration.identity), as the sweeps in tests/sweep run them.
-TINY_SEQ2SEQ_SWEEP_POLICY = ["model=tiny_seq2seq", "trainer.device=cpu", "memory.precision=fp32"]
-
-
 @pytest.fixture(scope="session")
 def tiny_seq2seq_calibration(tmp_path_factory) -> Callable[[Path], list[str]]:
     """Copies into an output_dir's calibration cache the memory model of tiny_seq2seq's CPU sweep trials, fitted
@@ -283,15 +278,17 @@ def tiny_seq2seq_calibration(tmp_path_factory) -> Callable[[Path], list[str]]:
     sizing job too) and by the README's estimate_only example. Returns the keys copied."""
     from filelock import FileLock
 
+    from memfit.sweep.sizing import sizing_overrides
+
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         root = root.parent  # the session's directory, above each worker's own
     fitted = root / "tiny_seq2seq_calibration"
     with FileLock(str(root / "tiny_seq2seq_calibration.lock")):
         if not list((fitted / "calibration").glob("*.json")):
-            args = [*TINY_SEQ2SEQ_SWEEP_POLICY, "trainer.batch_size=1", "trainer.batching=fixed", "tracking=none"]
-            args += ["estimate_only=true", "calibration.enabled=true", "data.max_train_samples=8"]
-            done = run_train_py(*args, f"output_dir={fitted}")
+            # the sizing job of tests/sweep's CPU sweeps (their settings that enter the calibration key)
+            fixed = ["model=tiny_seq2seq", "trainer.device=cpu", "memory.precision=fp32", "data.max_train_samples=8"]
+            done = run_train_py(*sizing_overrides({}, fixed, None, None), f"output_dir={fitted}")
             assert done.returncode == 0, done.stderr[-3000:]
     files = sorted((fitted / "calibration").glob("*.json"))
 
