@@ -46,6 +46,25 @@ def test_a_fixed_batching_on_the_command_line_leaves_the_plans_knobs_out():
     ]
 
 
+def test_how_a_budget_shaped_step_is_counted_is_one_of_the_plans_knobs():
+    """At a roomy budget steps of samples ran 1.22x steps of tokens (pegasus_large, 40 GiB, H200; at 24 GiB steps
+    of tokens were faster): a sweep can search it, and only where batches are budget-shaped."""
+    space, _ = parse_search(
+        [
+            "trainer.batching=choice(fixed,budget)",
+            "trainer.batch_size=choice(2,8)",
+            "trainer.effective_batch=choice(tokens,samples)",
+        ],
+        {},
+    )
+    every = configurations(space, effective_batch=16)
+    assert [p for p in every if p["trainer.batching"] == "budget"] == [
+        {"trainer.batching": "budget", "trainer.effective_batch": "tokens"},
+        {"trainer.batching": "budget", "trainer.effective_batch": "samples"},
+    ]
+    assert all("trainer.effective_batch" not in p for p in every if p["trainer.batching"] == "fixed")
+
+
 def test_an_asked_trial_draws_only_what_applies_to_it_and_takes_an_enqueued_configuration_as_given():
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
     drawn = []

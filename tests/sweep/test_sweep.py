@@ -905,6 +905,8 @@ def test_a_sweep_chooses_between_fixed_and_budget_shaped_batches_and_searches_th
     assert fixed and shaped, [t.params for t in ran]
     assert all("trainer.micro_batch_fill" not in t.params and "trainer.batch_size" in t.params for t in fixed)
     assert all("trainer.micro_batch_fill" in t.params and "trainer.batch_size" not in t.params for t in shaped)
+    assert all("trainer.effective_batch" in t.params for t in shaped)
+    assert all("trainer.effective_batch" not in t.params for t in fixed)
     assert all(t.user_attrs["status"] == "ok" and t.values[0] > 0 for t in ran)
 
     client = MlflowClient(default_tracking_uri(str(tmp_path)))
@@ -917,6 +919,7 @@ def test_a_sweep_chooses_between_fixed_and_budget_shaped_batches_and_searches_th
         assert run.data.params["trainer.batch_size"] == "16"
         assert run.data.params["trainer.gradient_accumulation_steps"] == "1"
         assert run.data.params["trainer.micro_batch_fill"] == str(trial.params["trainer.micro_batch_fill"])
+        assert run.data.params["trainer.effective_batch"] == trial.params["trainer.effective_batch"]
         assert run.data.metrics["plan/max_batch"] >= 1 and "train/micro_batch_size" in run.data.metrics
     best = OmegaConf.load(tmp_path / "preset" / "tiny_seq2seq-aclsum-1.7gib.yaml")
     if best.trainer.batching == "budget":

@@ -108,8 +108,8 @@ def resolve_loss(memory: DictConfig, task: str) -> str | None:
 
 
 def resolve_batching(cfg: DictConfig, device: str) -> str | None:
-    """trainer.batching=auto → budget on CUDA, where budget-shaped batches trained 1.2-2.5x the tokens/s of the fixed
-    batch the worst case allows on every measured long-tail set (pegasus_large and qwen2_5_1_5b at 24 and 40 GiB,
+    """trainer.batching=auto → budget on CUDA, where budget-shaped batches trained 1.0-4.9x the tokens/s of the fixed
+    batch the worst case allows on every measured long-tail set (pegasus_large and qwen2_5_1_5b at 16, 24 and 40 GiB,
     benchmarks/README.md, budget_batching_gpu.py); fixed on CPU (the plan's host-memory calibration costs more than it
     saves on small CPU runs), where the run's settings rule the plan out, and on CUDA without expandable segments
     (config.validate.expandable_segments_problem refuses budget there). Sets the knob and returns what it chose, or

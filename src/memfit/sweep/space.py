@@ -99,7 +99,13 @@ def repeat_of(params: dict[str, Any], finished: list[Any]) -> Any | None:
 
 BATCH, ACCUMULATION, BATCHING = "trainer.batch_size", "trainer.gradient_accumulation_steps", "trainer.batching"
 # the batch plan's knobs: they change a trial only where its batches are budget-shaped (trainer.batching=budget)
-PLAN_KNOBS = ("trainer.micro_batch_fill", "trainer.max_micro_batch", "trainer.length_buckets", "trainer.pad_tolerance")
+PLAN_KNOBS = (
+    "trainer.micro_batch_fill",
+    "trainer.max_micro_batch",
+    "trainer.length_buckets",
+    "trainer.pad_tolerance",
+    "trainer.effective_batch",
+)
 
 
 def budget_shaped(params: dict[str, Any], batching: str = "fixed") -> bool:
