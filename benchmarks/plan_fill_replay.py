@@ -9,11 +9,12 @@ memory model read off the run's own plan table (a least-squares line of predicte
 tokens, plus one per (source, label) for seq2seq), and the plan sized and packed by memfit's own functions for each
 `trainer.length_buckets` asked for: with the quantile edges the GPU run had and, for a causal LM, with the edges
 memfit now fits to the memory model (`memfit.memory.edges.fitted_edges`); `--pad-tolerance` adds the shipped edges
-at 8 buckets with micro-batches drawn among samples of like length (`trainer.pad_tolerance`). It reports the plan's
-cells and proof shapes (the preflight's probes), the epoch's micro-batches and their real and padded tokens, and the
-tokens/s a step-time model predicts: seconds per micro-batch and per padded token fitted by least squares to the
-run's three arms (train phase seconds against their replayed epochs). The prediction is a model's, not a
-measurement: the GPU run of the chosen setting measures it.
+at 8 buckets with micro-batches drawn among samples of like length (`trainer.pad_tolerance`), `--steps-of-samples`
+the plan's epoch with `trainer.effective_batch=samples`, with transformers' length grouping and without. It reports
+the plan's cells and proof shapes (the preflight's probes), the epoch's micro-batches and their real and padded
+tokens, and the tokens/s a step-time model predicts: seconds per micro-batch and per padded token fitted by least
+squares to the run's three arms (train phase seconds against their replayed epochs). The prediction is a model's,
+not a measurement: the GPU run of the chosen setting measures it.
 """
 
 from __future__ import annotations
@@ -141,6 +142,11 @@ def main() -> None:
     parser.add_argument("--data-seed", type=int, help="replay on another data seed than the run's (held apart)")
     parser.add_argument("--work", default="/tmp/memfit-plan-fill")
     parser.add_argument("--pad-tolerance", type=float, nargs="*", default=[], help="also replay trainer.pad_tolerance")
+    parser.add_argument(
+        "--steps-of-samples",
+        action="store_true",
+        help="also replay trainer.effective_batch=samples, with transformers' length grouping and without",
+    )
     args = parser.parse_args()
     result = json.loads(Path(args.result).read_text())
     budget_key = next(k for k in result if k.endswith("GiB"))
@@ -211,6 +217,21 @@ def main() -> None:
             f"({e.padded_tokens / e.real_tokens:.2f}×); modelled {modelled:,.0f} tokens/s "
             f"({modelled / a_modelled:.2f}× a modelled)"
         )
+    if args.steps_of_samples:
+        from memfit.training.throughput import epoch_plan
+
+        plan, _ = budget(buckets=8, quantiles=True)
+        for grouping in (True, False):  # memory.group_by_length: Trainer's sampler orders the steps' samples
+            e = epoch_plan(
+                source, label, batch=step, accumulation=1, multiple=multiple, task=task,
+                group_by_length=grouping, seed=42, capacity=plan.capacity,
+            )  # fmt: skip
+            modelled = e.real_tokens / time_model.seconds(e.padded_tokens, e.micro_batches, 0)
+            print(
+                f"  c, steps of {step} samples, group_by_length={grouping}: {e.micro_batches} micro-batches, "
+                f"{e.padded_tokens / e.real_tokens:.2f}× padded; modelled {modelled:,.0f} tokens/s "
+                f"({modelled / a_modelled:.2f}× a modelled)"
+            )
 
 
 if __name__ == "__main__":
