@@ -218,9 +218,22 @@ def main() -> None:
             f"({modelled / a_modelled:.2f}× a modelled)"
         )
     if args.steps_of_samples:
+        from memfit.data.packing import (
+            cheaper_step_count,
+            epoch_micro_batches,
+            epoch_order,
+            step_micro_batches,
+            token_steps,
+        )
         from memfit.training.throughput import epoch_plan
 
         plan, _ = budget(buckets=8, quantiles=True)
+        counted = source if task == "causal" else label
+        steps = token_steps(source, counted, step_samples=step, capacity=plan.capacity, multiple=multiple, seed=42)
+        by_tokens = step_micro_batches(source, label, steps, plan.capacity, multiple)
+        order = epoch_order(source, step, grouped, 42)
+        by_samples = epoch_micro_batches(source, label, order, step, plan.capacity, multiple)
+        print(f"  trainer.effective_batch=auto picks {cheaper_step_count(by_tokens, by_samples, task)}")
         for grouping in (True, False):  # memory.group_by_length: Trainer's sampler orders the steps' samples
             e = epoch_plan(
                 source, label, batch=step, accumulation=1, multiple=multiple, task=task,

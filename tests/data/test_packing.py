@@ -11,6 +11,8 @@ from memfit.data.packing import (
     TokenStepSampler,
     balance,
     band_width,
+    cheaper_step_count,
+    epoch_cost,
     epoch_micro_batches,
     epoch_order,
     pack,
@@ -195,3 +197,27 @@ def test_token_steps_with_a_pad_tolerance_pad_less_and_still_see_each_sample_onc
         return sum(rows * (s + lab) for rows, s, lab in step_micro_batches(source, label, steps, capacity, 8))
 
     assert padded_tokens(0.1) < 0.75 * padded_tokens(None)
+
+
+def _both_epochs(source, label, capacity, step: int) -> tuple[list, list]:
+    """One epoch in token steps and in length-grouped steps of `step` samples (memory.group_by_length)."""
+    steps = token_steps(source, label, step_samples=step, capacity=capacity, multiple=8, seed=(0, 0))
+    by_tokens = step_micro_batches(source, label, steps, capacity, 8)
+    order = epoch_order(source, step, group_by_length=True, seed=0)
+    return by_tokens, epoch_micro_batches(source, label, order, step, capacity, 8)
+
+
+def test_auto_counts_steps_in_samples_where_a_micro_batch_holds_a_whole_step_and_in_tokens_where_memory_binds():
+    rng = np.random.default_rng(5)
+    source, label = rng.integers(16, 1024, 800), rng.integers(4, 40, 800)
+    # roomy: every length allows the step's 32 rows, so token steps fill no better and pad to random longest ones
+    by_tokens, by_samples = _both_epochs(source, label, lambda s, lab: 32, 32)
+    assert len(by_tokens) == len(by_samples) == 25
+    assert epoch_cost(by_samples, "seq2seq") < epoch_cost(by_tokens, "seq2seq")
+    assert cheaper_step_count(by_tokens, by_samples, "seq2seq") == "samples"
+    # binding: 20 rows at most, so a step of 32 samples takes two micro-batches where token steps fill each to 20;
+    # sources of like length (most of a long-document set at its max_source_length) pad little either way
+    source = rng.integers(900, 1024, 800)
+    by_tokens, by_samples = _both_epochs(source, label, lambda s, lab: 20, 32)
+    assert (len(by_tokens), len(by_samples)) == (40, 50)
+    assert cheaper_step_count(by_tokens, by_samples, "seq2seq") == "tokens"

@@ -49,11 +49,16 @@ def _plan(client, run_id) -> dict:
 
 
 def test_a_binding_budget_gives_long_labels_small_micro_batches_short_ones_large(compose_cfg, long_tail_jsonl):
-    roomy = _budget_run(compose_cfg, long_tail_jsonl, "budget.gib=16", "preflight_only=true")
+    roomy = _budget_run(
+        compose_cfg, long_tail_jsonl, "budget.gib=16", "preflight_only=true", "trainer.effective_batch=auto"
+    )
     assert roomy.status == "ok"
     client = MlflowClient(default_tracking_uri(roomy_dir := str(compose_cfg().output_dir)))
     first = _plan(client, roomy.run_id)
     assert {cell["batch"] for cell in first["cells"]} == {16}  # roomy: every cell at the step's 16 samples
+    # auto resolves to the cheaper epoch before the plan is recorded (which, tests/data/test_packing.py)
+    assert first["effective_batch"] in ("tokens", "samples")
+    assert client.get_run(roomy.run_id).data.tags["memfit.effective_batch"] == first["effective_batch"]
     short = min(cell["predicted_gib"] for cell in first["cells"])
     longest = max(m["reserved_gib"] for m in first["measured"])
     budget = (short + longest) / 2  # between the short cells' peak and the long labels': it binds

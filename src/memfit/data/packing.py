@@ -233,6 +233,24 @@ def token_steps(
     return [[i for j in steps[k] for i in micro[j]] for k in rng.permutation(len(steps))]
 
 
+def epoch_cost(micro: Sequence[tuple[int, int, int]], task: str) -> float:
+    """What an epoch of these micro-batches (rows, padded source, padded label) costs in padded tokens:
+    MICRO_BATCH_COST a micro-batch plus its padded tokens (a causal LM's labels are its inputs)."""
+    tokens = sum(rows * (source + (label if task == "seq2seq" else 0)) for rows, source, label in micro)
+    return len(micro) * MICRO_BATCH_COST + tokens
+
+
+def cheaper_step_count(
+    token_micro: Sequence[tuple[int, int, int]], sample_micro: Sequence[tuple[int, int, int]], task: str
+) -> str:
+    """trainer.effective_batch=auto: `tokens` or `samples`, whichever epoch (its micro-batches) costs less
+    (`epoch_cost`). Token steps fill micro-batches that steps of samples leave part empty where memory binds; where
+    a micro-batch may hold a whole step (roomy budgets) they fill no better, and steps of samples, which
+    memory.group_by_length draws among like lengths, pad less (pegasus_large at 40 GiB on an H200: 1.22x the
+    tokens/s; at 24 GiB token steps were the faster, benchmarks/README.md "Session 46")."""
+    return "samples" if epoch_cost(sample_micro, task) < epoch_cost(token_micro, task) else "tokens"
+
+
 def balance(tokens: Sequence[int], steps: int) -> list[list[int]]:
     """These micro-batches (their token counts) dealt into `steps` non-empty steps of about equal tokens: the largest
     first, each to the step with the fewest tokens so far (longest-processing-time scheduling: no step exceeds the

@@ -34,43 +34,57 @@ def _lengths(ctx: RunContext) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate([p[0] for p in pairs]), np.concatenate([p[1] for p in pairs])
 
 
-def _epoch_micro_batches(ctx: RunContext, plan: Any, sampler: Any) -> list[tuple[int, int, int]]:
+def _epoch_micro_batches(cfg: Any, dataset: Any, plan: Any, sampler: Any) -> list[tuple[int, int, int]]:
     """One training epoch as the collator will pack it: the step sampler's steps, else the sampler's order under the
     run's seed cut every step's samples."""
     from memfit.data.packing import dataset_lengths, epoch_micro_batches, epoch_order, step_micro_batches
 
-    cfg = ctx.cfg
     multiple = cfg.memory.pad_to_multiple_of
     if sampler is not None:
         return step_micro_batches(sampler.source, sampler.label, sampler.steps(), plan.capacity, multiple)
-    source, label = dataset_lengths(ctx.prepared.datasets["train"], cfg.model.task)
+    source, label = dataset_lengths(dataset, cfg.model.task)
     order = epoch_order(source, step_samples(cfg), cfg.memory.group_by_length, cfg.trainer.seed)
     return epoch_micro_batches(source, label, order, step_samples(cfg), plan.capacity, multiple)
 
 
 def _step_sampler(cfg: Any, dataset: Any, plan: Any) -> Any:
-    """trainer.effective_batch=tokens: the sampler that draws steps of equal label tokens; None for samples."""
-    from memfit.data.packing import TokenStepSampler, dataset_lengths
+    """trainer.effective_batch=tokens: the sampler that draws steps of equal label tokens; None for samples; auto:
+    whichever of the two packs this epoch for less (memfit.data.packing.cheaper_step_count), set on the config."""
+    from memfit.data.packing import TokenStepSampler, cheaper_step_count, dataset_lengths
 
+    sampler = None
+    if cfg.trainer.effective_batch != "samples":
+        source, label = dataset_lengths(dataset, cfg.model.task)
+        sampler = TokenStepSampler(
+            source,
+            label,
+            step_samples=step_samples(cfg),
+            capacity=plan.capacity,
+            multiple=cfg.memory.pad_to_multiple_of,
+            seed=cfg.trainer.seed,
+            tolerance=cfg.trainer.pad_tolerance,
+        )
+    if cfg.trainer.effective_batch == "auto":
+        by_tokens = _epoch_micro_batches(cfg, dataset, plan, sampler)
+        by_samples = _epoch_micro_batches(cfg, dataset, plan, None)
+        cfg.trainer.effective_batch = cheaper_step_count(by_tokens, by_samples, cfg.model.task)
+        log.info(
+            "batch plan: trainer.effective_batch=auto -> %s (an epoch of %d micro-batches in token steps, %d in "
+            "steps of %d samples)",
+            cfg.trainer.effective_batch,
+            len(by_tokens),
+            len(by_samples),
+            step_samples(cfg),
+        )
     if cfg.trainer.effective_batch != "tokens":
         return None
-    source, label = dataset_lengths(dataset, cfg.model.task)
     log.info(
         "batch plan: each optimizer step holds about the label tokens of %d average samples (%.0f), micro-batches "
         "packed full (trainer.effective_batch=tokens)",
         step_samples(cfg),
-        step_samples(cfg) * float(np.mean(label)) if len(label) else 0.0,
+        step_samples(cfg) * float(np.mean(sampler.label)) if len(sampler.label) else 0.0,
     )
-    multiple = cfg.memory.pad_to_multiple_of
-    return TokenStepSampler(
-        source,
-        label,
-        step_samples=step_samples(cfg),
-        capacity=plan.capacity,
-        multiple=multiple,
-        seed=cfg.trainer.seed,
-        tolerance=cfg.trainer.pad_tolerance,
-    )
+    return sampler
 
 
 def _record(ctx: RunContext, plan: Any, micro: list[tuple[int, int, int]]) -> None:
@@ -171,7 +185,7 @@ def plan_batches(ctx: RunContext, setup: TrainingSetup) -> WorstCase:
         report.passed = True
         report.probes = [plan.measured[shape] for shape in plan.proof_shapes()]
         sampler = _step_sampler(cfg, setup.trainer.train_dataset, plan)
-        _record(ctx, plan, _epoch_micro_batches(ctx, plan, sampler))
+        _record(ctx, plan, _epoch_micro_batches(cfg, setup.trainer.train_dataset, plan, sampler))
         setup.collator.capacity = plan.capacity
         setup.trainer.step_sampler = sampler
     ctx.tracker.log_metrics(report.metrics(), step=0)
