@@ -233,11 +233,16 @@ def token_steps(
     return [[i for j in steps[k] for i in micro[j]] for k in rng.permutation(len(steps))]
 
 
+def padded_tokens(micro: Iterable[tuple[int, int, int]], task: str) -> int:
+    """The tokens these micro-batches (rows, padded source, padded label) compute, padding included: a causal LM's
+    labels are its inputs, so only the inputs count."""
+    return sum(rows * (source + (label if task == "seq2seq" else 0)) for rows, source, label in micro)
+
+
 def epoch_cost(micro: Sequence[tuple[int, int, int]], task: str) -> float:
-    """What an epoch of these micro-batches (rows, padded source, padded label) costs in padded tokens:
-    MICRO_BATCH_COST a micro-batch plus its padded tokens (a causal LM's labels are its inputs)."""
-    tokens = sum(rows * (source + (label if task == "seq2seq" else 0)) for rows, source, label in micro)
-    return len(micro) * MICRO_BATCH_COST + tokens
+    """What an epoch of these micro-batches costs in padded tokens: MICRO_BATCH_COST a micro-batch plus their
+    padded tokens."""
+    return len(micro) * MICRO_BATCH_COST + padded_tokens(micro, task)
 
 
 def cheaper_step_count(

@@ -47,9 +47,10 @@ def _epoch_micro_batches(cfg: Any, dataset: Any, plan: Any, sampler: Any) -> lis
     return epoch_micro_batches(source, label, order, step_samples(cfg), plan.capacity, multiple)
 
 
-def _step_sampler(cfg: Any, dataset: Any, plan: Any) -> Any:
+def _step_sampler(cfg: Any, dataset: Any, plan: Any) -> tuple[Any, list[tuple[int, int, int]]]:
     """trainer.effective_batch=tokens: the sampler that draws steps of equal label tokens; None for samples; auto:
-    whichever of the two packs this epoch for less (memfit.data.packing.cheaper_step_count), set on the config."""
+    whichever of the two packs this epoch for less (memfit.data.packing.cheaper_step_count), set on the config.
+    With the sampler, the epoch's micro-batches as the collator will pack them (the plan's record)."""
     from memfit.data.packing import TokenStepSampler, cheaper_step_count, dataset_lengths
 
     sampler = None
@@ -64,8 +65,8 @@ def _step_sampler(cfg: Any, dataset: Any, plan: Any) -> Any:
             seed=cfg.trainer.seed,
             tolerance=cfg.trainer.pad_tolerance,
         )
+    by_tokens = _epoch_micro_batches(cfg, dataset, plan, sampler) if sampler is not None else []
     if cfg.trainer.effective_batch == "auto":
-        by_tokens = _epoch_micro_batches(cfg, dataset, plan, sampler)
         by_samples = _epoch_micro_batches(cfg, dataset, plan, None)
         cfg.trainer.effective_batch = cheaper_step_count(by_tokens, by_samples, cfg.model.task)
         log.info(
@@ -76,15 +77,17 @@ def _step_sampler(cfg: Any, dataset: Any, plan: Any) -> Any:
             len(by_samples),
             step_samples(cfg),
         )
+        if cfg.trainer.effective_batch == "samples":
+            return None, by_samples
     if cfg.trainer.effective_batch != "tokens":
-        return None
+        return None, _epoch_micro_batches(cfg, dataset, plan, None)
     log.info(
         "batch plan: each optimizer step holds about the label tokens of %d average samples (%.0f), micro-batches "
         "packed full (trainer.effective_batch=tokens)",
         step_samples(cfg),
         step_samples(cfg) * float(np.mean(sampler.label)) if len(sampler.label) else 0.0,
     )
-    return sampler
+    return sampler, by_tokens
 
 
 def _record(ctx: RunContext, plan: Any, micro: list[tuple[int, int, int]]) -> None:
@@ -184,8 +187,8 @@ def plan_batches(ctx: RunContext, setup: TrainingSetup) -> WorstCase:
     if report.failure is None:
         report.passed = True
         report.probes = [plan.measured[shape] for shape in plan.proof_shapes()]
-        sampler = _step_sampler(cfg, setup.trainer.train_dataset, plan)
-        _record(ctx, plan, _epoch_micro_batches(cfg, setup.trainer.train_dataset, plan, sampler))
+        sampler, micro = _step_sampler(cfg, setup.trainer.train_dataset, plan)
+        _record(ctx, plan, micro)
         setup.collator.capacity = plan.capacity
         setup.trainer.step_sampler = sampler
     ctx.tracker.log_metrics(report.metrics(), step=0)

@@ -20,7 +20,14 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig
 
-from memfit.data.packing import Capacity, dataset_lengths, epoch_micro_batches, epoch_order, step_micro_batches
+from memfit.data.packing import (
+    Capacity,
+    dataset_lengths,
+    epoch_micro_batches,
+    epoch_order,
+    padded_tokens,
+    step_micro_batches,
+)
 
 
 @dataclass(frozen=True)
@@ -109,9 +116,8 @@ def epoch_plan(
         step = batch * accumulation if capacity else batch
         micro = epoch_micro_batches(source, label, order, step, capacity, multiple)
     shapes = {(rows, s, lab if task == "seq2seq" else 0) for rows, s, lab in micro}
-    padded_tokens = sum(rows * (s + (lab if task == "seq2seq" else 0)) for rows, s, lab in micro)
     real = int(source.sum() + (label.sum() if task == "seq2seq" else 0))
-    return EpochPlan(real, padded_tokens, len(micro), len(shapes))
+    return EpochPlan(real, padded_tokens(micro, task), len(micro), len(shapes))
 
 
 def run_epoch_plan(
