@@ -10,7 +10,8 @@ tokens, plus one per (source, label) for seq2seq), and the plan sized and packed
 `trainer.length_buckets` asked for: with the quantile edges the GPU run had and, for a causal LM, with the edges
 memfit now fits to the memory model (`memfit.memory.edges.fitted_edges`); `--pad-tolerance` adds the shipped edges
 at 8 buckets with micro-batches drawn among samples of like length (`trainer.pad_tolerance`), `--steps-of-samples`
-the plan's epoch with `trainer.effective_batch=samples`, with transformers' length grouping and without. It reports
+the plan's epoch with `trainer.effective_batch=samples`, with transformers' length grouping and without, and
+`trainer.effective_batch=auto`'s pick with the micro-batch cost at which it would turn. It reports
 the plan's cells and proof shapes (the preflight's probes), the epoch's micro-batches and their real and padded
 tokens, and the tokens/s a step-time model predicts: seconds per micro-batch and per padded token fitted by least
 squares to the run's three arms (train phase seconds against their replayed epochs). The prediction is a model's,
@@ -234,6 +235,7 @@ def main() -> None:
         order = epoch_order(source, step, grouped, 42)
         by_samples = epoch_micro_batches(source, label, order, step, plan.capacity, multiple)
         print(f"  trainer.effective_batch=auto picks {cheaper_step_count(by_tokens, by_samples, task)}")
+        print(f"    {break_even(by_tokens, by_samples, task, time_model)}")
         for grouping in (True, False):  # memory.group_by_length: Trainer's sampler orders the steps' samples
             e = epoch_plan(
                 source, label, batch=step, accumulation=1, multiple=multiple, task=task,
@@ -245,6 +247,26 @@ def main() -> None:
                 f"{e.padded_tokens / e.real_tokens:.2f}× padded; modelled {modelled:,.0f} tokens/s "
                 f"({modelled / a_modelled:.2f}× a modelled)"
             )
+
+
+def break_even(by_tokens: list, by_samples: list, task: str, time_model) -> str:
+    """The micro-batch cost, in padded tokens, at which auto's pick between the two epochs would turn, beside this
+    run's own (its step-time model's seconds per micro-batch over seconds per padded token): how far the host may
+    differ from memfit.data.packing.MICRO_BATCH_COST before the pick changes."""
+    from memfit.data.packing import MICRO_BATCH_COST, padded_tokens
+
+    saved = padded_tokens(by_tokens, task) - padded_tokens(by_samples, task)  # what steps of samples pad less
+    extra = len(by_samples) - len(by_tokens)  # and how many more micro-batches they take
+    per_token = time_model.per_padded_token_s
+    own = f"{time_model.per_micro_batch_s / per_token:,.0f}" if per_token > 0 else "none (no per-token time fitted)"
+    # steps of samples cost less where extra × cost < saved
+    turn = saved / extra if extra else None
+    if turn is None or turn <= 0:
+        always = "samples" if (saved > 0 if turn is None else extra < 0) else "tokens"
+        turn = f"is {always} at any cost"
+    else:
+        turn = f"turns at {turn:,.0f} padded tokens a micro-batch ({'samples below' if extra > 0 else 'tokens below'})"
+    return f"the pick {turn}; shipped cost {MICRO_BATCH_COST:,}, this run's step-time model {own}"
 
 
 if __name__ == "__main__":
