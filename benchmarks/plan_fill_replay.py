@@ -259,13 +259,12 @@ def break_even(by_tokens: list, by_samples: list, task: str, time_model) -> str:
     extra = len(by_samples) - len(by_tokens)  # and how many more micro-batches they take
     per_token = time_model.per_padded_token_s
     own = f"{time_model.per_micro_batch_s / per_token:,.0f}" if per_token > 0 else "none (no per-token time fitted)"
-    # steps of samples cost less where extra × cost < saved
-    turn = saved / extra if extra else None
-    if turn is None or turn <= 0:
-        always = "samples" if (saved > 0 if turn is None else extra < 0) else "tokens"
-        turn = f"is {always} at any cost"
+    # steps of samples cost less where extra × cost < saved: the pick turns at cost = saved / extra, if positive
+    point = saved / extra if extra else 0.0
+    if point > 0:
+        turn = f"turns at {point:,.0f} padded tokens a micro-batch ({'samples' if extra > 0 else 'tokens'} below)"
     else:
-        turn = f"turns at {turn:,.0f} padded tokens a micro-batch ({'samples below' if extra > 0 else 'tokens below'})"
+        turn = f"is {'samples' if (extra < 0 if extra else saved > 0) else 'tokens'} at any cost"
     return f"the pick {turn}; shipped cost {MICRO_BATCH_COST:,}, this run's step-time model {own}"
 
 
