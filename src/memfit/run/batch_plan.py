@@ -47,25 +47,32 @@ def _epoch_micro_batches(cfg: Any, dataset: Any, plan: Any, sampler: Any) -> lis
     return epoch_micro_batches(source, label, order, step_samples(cfg), plan.capacity, multiple)
 
 
+def _token_sampler(cfg: Any, dataset: Any, plan: Any) -> Any:
+    """The sampler that draws steps of equal label tokens, packed by the plan's capacities."""
+    from memfit.data.packing import TokenStepSampler, dataset_lengths
+
+    source, label = dataset_lengths(dataset, cfg.model.task)
+    return TokenStepSampler(
+        source,
+        label,
+        step_samples=step_samples(cfg),
+        capacity=plan.capacity,
+        multiple=cfg.memory.pad_to_multiple_of,
+        seed=cfg.trainer.seed,
+        tolerance=cfg.trainer.pad_tolerance,
+    )
+
+
 def _step_sampler(cfg: Any, dataset: Any, plan: Any) -> tuple[Any, list[tuple[int, int, int]]]:
     """trainer.effective_batch=tokens: the sampler that draws steps of equal label tokens; None for samples; auto:
     whichever of the two packs this epoch for less (memfit.data.packing.cheaper_step_count), set on the config.
     With the sampler, the epoch's micro-batches as the collator will pack them (the plan's record)."""
-    from memfit.data.packing import TokenStepSampler, cheaper_step_count, dataset_lengths
+    from memfit.data.packing import cheaper_step_count
 
-    sampler = None
-    if cfg.trainer.effective_batch != "samples":
-        source, label = dataset_lengths(dataset, cfg.model.task)
-        sampler = TokenStepSampler(
-            source,
-            label,
-            step_samples=step_samples(cfg),
-            capacity=plan.capacity,
-            multiple=cfg.memory.pad_to_multiple_of,
-            seed=cfg.trainer.seed,
-            tolerance=cfg.trainer.pad_tolerance,
-        )
-    by_tokens = _epoch_micro_batches(cfg, dataset, plan, sampler) if sampler is not None else []
+    if cfg.trainer.effective_batch == "samples":
+        return None, _epoch_micro_batches(cfg, dataset, plan, None)
+    sampler = _token_sampler(cfg, dataset, plan)
+    by_tokens = _epoch_micro_batches(cfg, dataset, plan, sampler)
     if cfg.trainer.effective_batch == "auto":
         by_samples = _epoch_micro_batches(cfg, dataset, plan, None)
         cfg.trainer.effective_batch = cheaper_step_count(by_tokens, by_samples, cfg.model.task)
@@ -79,8 +86,6 @@ def _step_sampler(cfg: Any, dataset: Any, plan: Any) -> tuple[Any, list[tuple[in
         )
         if cfg.trainer.effective_batch == "samples":
             return None, by_samples
-    if cfg.trainer.effective_batch != "tokens":
-        return None, _epoch_micro_batches(cfg, dataset, plan, None)
     log.info(
         "batch plan: each optimizer step holds about the label tokens of %d average samples (%.0f), micro-batches "
         "packed full (trainer.effective_batch=tokens)",
