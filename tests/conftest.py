@@ -274,8 +274,9 @@ def tiny_seq2seq_calibration(tmp_path_factory) -> Callable[[Path], list[str]]:
     """Copies into an output_dir's calibration cache the memory model of tiny_seq2seq's CPU sweep trials, fitted
     once per session (one xdist worker fits it, under a lock, the others wait and share it): a sweep test whose
     subject is not calibration starts as on a machine that calibrated before, rather than paying ~15-60 CPU
-    seconds of probes again. Fitting from nothing is tested in tests/memory/test_calibration.py (a sweep's
-    sizing job too) and by the README's estimate_only example. Returns the keys copied."""
+    seconds of probes again. It is fitted from nothing here, by the sizing job those sweeps fork (its command
+    line), and in tests/memory/test_calibration.py and the README's estimate_only example. Returns the keys
+    copied."""
     from filelock import FileLock
 
     from memfit.sweep.sizing import sizing_overrides
@@ -290,6 +291,7 @@ def tiny_seq2seq_calibration(tmp_path_factory) -> Callable[[Path], list[str]]:
             fixed = ["model=tiny_seq2seq", "trainer.device=cpu", "memory.precision=fp32", "data.max_train_samples=8"]
             done = run_train_py(*sizing_overrides({}, fixed, None, None), f"output_dir={fitted}")
             assert done.returncode == 0, done.stderr[-3000:]
+            assert "memory model: calibrated" in done.stdout + done.stderr  # the sizing job fits it from nothing
     files = sorted((fitted / "calibration").glob("*.json"))
 
     def seed(output_dir: Path) -> list[str]:

@@ -100,7 +100,7 @@ def test_preflight_probes_the_longest_padded_shape_and_truncation_changes_it(com
         "memory.pad_to_multiple_of=8",
         "trainer.batch_size=4",
         "preflight_only=true",
-        "preflight.max_batch_limit=8",
+        "preflight.max_batch_limit=4",
     ]
     full = run(compose_cfg(*base, "memory.max_label_length=512"))
     assert full.status == "ok" and full.steps == 0  # preflight_only trains nothing
