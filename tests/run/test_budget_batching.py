@@ -49,14 +49,12 @@ def _plan(client, run_id) -> dict:
 
 
 def test_a_binding_budget_gives_long_labels_small_micro_batches_short_ones_large(compose_cfg, long_tail_jsonl):
-    roomy = _budget_run(
-        compose_cfg, long_tail_jsonl, "budget.gib=16", "preflight_only=true", "trainer.effective_batch=auto"
-    )
+    roomy = _budget_run(compose_cfg, long_tail_jsonl, "budget.gib=16", "preflight_only=true")
     assert roomy.status == "ok"
     client = MlflowClient(default_tracking_uri(roomy_dir := str(compose_cfg().output_dir)))
     first = _plan(client, roomy.run_id)
     assert {cell["batch"] for cell in first["cells"]} == {16}  # roomy: every cell at the step's 16 samples
-    # auto resolves to the cheaper epoch before the plan is recorded (which, tests/data/test_packing.py)
+    # the default, auto, resolves to the cheaper epoch before the plan is recorded (which: tests/data/test_packing.py)
     assert first["effective_batch"] in ("tokens", "samples")
     assert client.get_run(roomy.run_id).data.tags["memfit.effective_batch"] == first["effective_batch"]
     short = min(cell["predicted_gib"] for cell in first["cells"])
@@ -83,6 +81,7 @@ def test_a_binding_budget_gives_long_labels_small_micro_batches_short_ones_large
     micro = client.get_metric_history(run_id, "train/micro_batches")
     assert [m.step for m in sizes] == [1, 2, 3] and all(m.value >= 1 for m in sizes)
     assert all(m.value >= 1 for m in micro)
+    # auto, where memory binds: token steps fill the micro-batches that steps of samples leave part empty
     assert recorded.data.tags["memfit.effective_batch"] == "tokens" and plan["effective_batch"] == "tokens"
     assert plan["pad_tolerance"] == 0.1  # micro-batches drawn among samples of like length
     samples = client.get_metric_history(run_id, "train/samples")  # a step's samples: its label tokens held constant

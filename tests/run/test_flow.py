@@ -163,16 +163,17 @@ def test_the_collator_counts_micro_batches_of_a_padded_shape_not_taken_before(co
 
 
 BUDGET_RESUME = ["trainer.batching=budget", "trainer.max_micro_batch=1", "calibration.probe_tokens=1024"]
+# 6 samples: 3 steps an epoch, so checkpoint-4 lies one step into the second epoch (a new shuffle)
+TOKEN_STEPS = [*BUDGET_RESUME, "data.max_train_samples=6", "trainer.effective_batch=tokens"]
 
 
 @pytest.mark.parametrize(
     ("batching", "kill_at", "checkpoint"),
     [
         ([], 3, "checkpoint-2"),
-        # 6 samples: 3 steps an epoch, so checkpoint-4 lies one step into the second epoch (a new shuffle)
-        ([*BUDGET_RESUME, "data.max_train_samples=6"], 5, "checkpoint-4"),
+        (TOKEN_STEPS, 5, "checkpoint-4"),
         ([*BUDGET_RESUME, "trainer.effective_batch=samples"], 3, "checkpoint-2"),
-        ([*BUDGET_RESUME, "data.max_train_samples=6", "trainer.pad_tolerance=0.1"], 5, "checkpoint-4"),
+        ([*TOKEN_STEPS, "trainer.pad_tolerance=0.1"], 5, "checkpoint-4"),
     ],
     ids=["fixed", "budget-tokens", "budget-samples", "budget-pad-tolerance"],
 )

@@ -207,7 +207,7 @@ class TrainerConfig:
     micro_batch_fill: float = 1.0  # budget batching: share of the limit a micro-batch's predicted peak may use
     max_micro_batch: int | None = None  # budget batching: the most rows in one micro-batch (null: the step's samples)
     length_buckets: int = 8  # budget batching: cell edges per length (source, label) of the batch plan's grid
-    effective_batch: str = "tokens"  # budget batching: what a step holds about constant: tokens | samples | auto
+    effective_batch: str = "auto"  # budget batching: what a step holds about constant: tokens | samples | auto
     pad_tolerance: float | None = None  # budget batching, tokens: draw micro-batches among like lengths (padding)
 
 
