@@ -181,8 +181,8 @@ def test_a_bart_like_model_under_checkpointing_is_calibrated_window_by_window_fr
     arch = fitted.architecture
     assert not arch.quadratic_attention and probed == calibration_shapes(arch, 512, 8, 4, checkpointed=True)
     assert len(probed) == 6 and probed == calibration_shapes(arch, 512, 8, 4)  # the six, measured by window
-    for p in fitted.probes:
-        assert max(p[f"{window}_allocated"] for window in _BranchMarker.WINDOWS) == p["allocated"]
+    for p in fitted.probes:  # the windows hold the probe's peak (host RSS may grow a page after the last one closes)
+        assert 0 <= p["allocated"] - max(p[f"{window}_allocated"] for window in _BranchMarker.WINDOWS) <= 2**20
     assert list(fitted.fit.windows) == list(WINDOW_TERMS)
     assert not any(name.endswith("_scores") for w in fitted.fit.windows.values() for name in w.coefficients)
 
