@@ -263,8 +263,8 @@ def break_even(by_tokens: list, by_samples: list, task: str, time_model) -> str:
     point = saved / extra if extra else 0.0
     if point > 0:
         turn = f"turns at {point:,.0f} padded tokens a micro-batch ({'samples' if extra > 0 else 'tokens'} below)"
-    else:
-        turn = f"is {'samples' if (extra < 0 if extra else saved > 0) else 'tokens'} at any cost"
+    else:  # no positive cost turns it: the pick at the shipped cost holds at every cost
+        turn = f"is {'samples' if extra * MICRO_BATCH_COST < saved else 'tokens'} at any cost"
     return f"the pick {turn}; shipped cost {MICRO_BATCH_COST:,}, this run's step-time model {own}"
 
 
