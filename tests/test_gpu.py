@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,6 +72,23 @@ def test_a_plain_run_on_cuda_trains_budget_shaped_batches_by_default(compose_cfg
     assert recorded.data.params["trainer.batching"] == "budget"
     assert recorded.data.tags["memfit.effective_batch"] in ("tokens", "samples")  # auto, resolved with the plan
     assert recorded.data.metrics["plan/max_batch"] >= 1
+
+
+def test_a_resumed_budget_shaped_run_on_cuda_replays_the_plan_its_checkpoints_were_trained_with(compose_cfg):
+    budget = [o for o in GPU_RUN if o not in ("trainer.batching=fixed", "trainer.max_steps=3")]
+    common = [*budget, "budget.gib=8", "trainer.batch_size=8", "trainer.save_steps=1", "tracking.run_name=resumed"]
+    first = run(compose_cfg(*common, "trainer.max_steps=2"))
+    assert first.status == "ok", first.reason
+    client = MlflowClient(default_tracking_uri(compose_cfg().output_dir))
+    cells = client.download_artifacts(first.run_id, "batch_plan/batch_plan.json")
+    planned = [(c["source"], c["label"], c["batch"]) for c in json.loads(Path(cells).read_text())["cells"]]
+    resumed = run(compose_cfg(*common, "trainer.max_steps=4", "trainer.resume=true"))
+    assert resumed.status == "ok" and resumed.run_id == first.run_id, resumed.reason
+    recorded = client.get_run(first.run_id)
+    assert recorded.data.tags["memfit.batch_plan"].startswith("replayed")  # its proof shapes measured on CUDA again
+    cells = client.download_artifacts(first.run_id, "batch_plan/batch_plan.json")
+    assert [(c["source"], c["label"], c["batch"]) for c in json.loads(Path(cells).read_text())["cells"]] == planned
+    assert sorted(m.step for m in client.get_metric_history(first.run_id, "train/loss")) == [1, 2, 3, 4]
 
 
 def test_budget_shaped_batches_without_expandable_segments_are_one_line_before_the_model_loads(

@@ -16,7 +16,7 @@ from memfit.data.packing import epoch_micro_batches, epoch_order
 from memfit.memory.bisection import largest_fitting
 from memfit.memory.edges import CELL_SAVING, fitted_edges, length_edges
 from memfit.memory.meter import MemoryPeak
-from memfit.memory.plan import PlanError, grid, prove
+from memfit.memory.plan import BatchPlan, PlanError, grid, prove, replay
 from memfit.memory.probe import Probe
 
 STATIC = 1 * GIB
@@ -122,6 +122,38 @@ def test_a_sample_that_does_not_fit_alone_fails_with_one_line_naming_it_and_a_wa
         prove(_plan(source, label), _predict, _measuring(128 * 1024, []), 4 * GIB)
     message = str(err.value)
     assert "\n" not in message and "label 8000" in message and "memory.max_label_length=" in message
+
+
+def _recorded(plan: BatchPlan) -> BatchPlan:
+    """What a resumed run rebuilds from the plan beside its checkpoints: edges and batches, nothing measured."""
+    return BatchPlan(
+        plan.task, plan.source_edges, plan.label_edges, 8, LIMIT, 1.0, plan.cap, samples={}, batches=dict(plan.batches)
+    )
+
+
+def test_a_replayed_plan_keeps_its_batches_where_it_fits_and_packs_the_epoch_as_before():
+    source, label = _long_tail(seed=1)
+    first = prove(_plan(source, label), _predict, _measuring(1.4 * 128 * 1024, []), budget_bytes=4 * GIB)
+    fresh = prove(_plan(source, label), _predict, _measuring(128 * 1024, []), budget_bytes=4 * GIB)
+    assert fresh.batches != first.batches  # proven afresh on the device it resumes on, the plan would differ
+    measured: list[BatchShape] = []
+    again = _recorded(first)
+    assert replay(again, source, label, _predict, _measuring(128 * 1024, measured))
+    assert again.batches == first.batches and again.proven and set(measured) == set(first.proof_shapes())
+    assert again.samples == first.samples and again.rounds == 1
+    order = epoch_order(source, 32, group_by_length=False, seed=4)
+    assert epoch_micro_batches(source, label, order, 32, again.capacity, 8) == epoch_micro_batches(
+        source, label, order, 32, first.capacity, 8
+    )
+
+
+def test_a_replayed_plan_that_no_longer_fits_or_holds_the_data_is_refused():
+    source, label = _long_tail(seed=1)
+    first = prove(_plan(source, label), _predict, _measuring(128 * 1024, []), budget_bytes=4 * GIB)
+    assert not replay(_recorded(first), source, label, _predict, _measuring(1.4 * 128 * 1024, []))  # a hungrier device
+    longer = label.copy()
+    longer[0] = first.label_edges[-1] + 8  # a label past the plan's last edge
+    assert not replay(_recorded(first), source, longer, _predict, _measuring(128 * 1024, []))
 
 
 def _causal_long_tail(n: int = 600, seed: int = 3) -> np.ndarray:

@@ -195,6 +195,8 @@ def test_a_killed_run_resumes_from_its_checkpoint_in_the_same_mlflow_run(
     assert killed.returncode == -9  # SIGKILL: nothing of memfit ran after it
     resumed = run_train_py(*common, "trainer.resume=true", f"output_dir={tmp_path / 'resumed'}")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
+    replayed = "the resumed run replays the plan beside its checkpoints" in resumed.stdout + resumed.stderr
+    assert replayed == bool(batching)  # budget-shaped: the plan the killed run trained (test_budget_batching.py)
 
     client, runs = _runs(tmp_path / "resumed")
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"  # continued, not forked

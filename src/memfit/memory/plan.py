@@ -143,9 +143,15 @@ def grid(
         fitted = fitted_edges(source, rows_at, buckets, multiple)
     source_edges = fitted or length_edges(source, buckets, multiple)
     label_edges = source_edges if task == "causal" else length_edges(label, buckets, multiple)
-    plan = BatchPlan(task, source_edges, label_edges, multiple, limit_bytes, fill, cap, samples={})
+    return _counted(
+        BatchPlan(task, source_edges, label_edges, multiple, limit_bytes, fill, cap, samples={}), source, label
+    )
+
+
+def _counted(plan: BatchPlan, source: np.ndarray, label: np.ndarray) -> BatchPlan:
+    """The plan with each cell's count of the samples whose padded lengths fall in it."""
     for s, lab in zip(source, label, strict=True):
-        cell = plan.cell_of(padded(int(s), multiple), padded(int(lab), multiple))
+        cell = plan.cell_of(padded(int(s), plan.multiple), padded(int(lab), plan.multiple))
         plan.samples[cell] = plan.samples.get(cell, 0) + 1
     return plan
 
@@ -239,6 +245,29 @@ def prove(
         f"trainer.batching=budget: the plan still measured over the limit after {max_rounds} rounds: "
         "lower trainer.micro_batch_fill (e.g. 0.9)"
     )
+
+
+def replay(
+    plan: BatchPlan,
+    source: np.ndarray,
+    label: np.ndarray,
+    predict: Callable[[BatchShape], float],
+    measure: Callable[[BatchShape], Probe],
+) -> bool:
+    """A plan sized before (its edges and `batches`; a resumed run's) proven on this device as `prove` proves one:
+    its proof shapes measured. True where every sample falls in one of its sized cells and every proof shape fits;
+    the plan then holds exactly the batches it was given, so a packing of it repeats the one made before."""
+    _counted(plan, source, label)
+    if None in plan.samples or any(plan.batches.get(cell, 0) < 1 for cell in plan.samples):
+        return False  # the data now holds lengths the plan did not size
+    plan.rounds = 1
+    for shape in sorted(plan.proof_shapes(), key=predict, reverse=True):  # nearest the limit first
+        plan.measured[shape] = probe = measure(shape)
+        if not plan._fits(shape):
+            return False
+        plan.factor = max(plan.factor, probe.judged_bytes / predict(shape))
+    plan.predicted = {cell: int(plan.factor * predict(plan.shape(cell))) for cell in plan.batches}
+    return True
 
 
 def _lower_ceilings(plan: BatchPlan, failed: BatchShape) -> None:

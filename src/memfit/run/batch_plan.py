@@ -14,6 +14,7 @@ import numpy as np
 
 from memfit.config import GIB
 from memfit.run.context import RunContext, TrainingSetup, WorstCase
+from memfit.run.plan_record import PLAN_FILE, plan_settings, save_plan, stored_plan
 from memfit.run.worst_case import budget_and_limit, calibrate, probe_setup
 
 log = logging.getLogger("memfit")
@@ -145,11 +146,53 @@ def _predictor(calibration: Any, longest: Any, task: str, measure: Any, budget: 
     return scaled_predictor(measure(longest), measure(BatchShape(2, longest.source, longest.label)), budget)
 
 
+def _proven_plan(
+    ctx: RunContext, lengths: tuple[np.ndarray, np.ndarray], bounds: tuple[int, int], predict: Any, measure: Any
+) -> Any:
+    """A resumed run's recorded plan where it still holds the data and fits this device (memfit.run.plan_record),
+    else a plan sized by `predict` and proven by `measure`; raises PlanError where none can hold some sample."""
+    from memfit.memory.plan import BatchPlan, grid, prove, replay
+
+    cfg, (budget, limit) = ctx.cfg, bounds
+    common = {
+        "task": cfg.model.task,
+        "multiple": cfg.memory.pad_to_multiple_of,
+        "limit_bytes": limit,
+        "fill": cfg.trainer.micro_batch_fill,
+        "cap": min(cfg.trainer.max_micro_batch or step_samples(cfg), step_samples(cfg)),
+    }
+    stored = stored_plan(cfg, ctx.resume.checkpoint, plan_settings(cfg))
+    if stored is not None:
+        batches = {(i, j): rows for i, j, rows in stored.batches}
+        plan = BatchPlan(
+            source_edges=tuple(stored.source_edges),
+            label_edges=tuple(stored.label_edges),
+            samples={},
+            batches=batches,
+            **common,
+        )
+        if replay(plan, *lengths, predict, measure):
+            cfg.trainer.effective_batch = stored.effective_batch
+            ctx.tracker.set_tags({"memfit.batch_plan": f"replayed ({PLAN_FILE} beside the checkpoints)"})
+            log.info(
+                "batch plan: the resumed run replays the plan beside its checkpoints (%s, %s), measured again",
+                PLAN_FILE,
+                stored.effective_batch,
+            )
+            return plan
+        log.warning(
+            "trainer.resume: the batch plan beside the checkpoints does not hold this data or no longer fits "
+            "this device: proving a new one; the rest of this epoch is packed anew"
+        )
+    plan = grid(*lengths, buckets=cfg.trainer.length_buckets, predict=predict, **common)
+    return prove(plan, predict, measure, budget)
+
+
 def plan_batches(ctx: RunContext, setup: TrainingSetup) -> WorstCase:
     """Size and prove the batch plan; a passing one is set on the collator. A plan that cannot hold some sample
     fails the preflight with one line (the sample's lengths and the nearest way out)."""
     from memfit.data.audit import BatchShape, padded
-    from memfit.memory.plan import PlanError, grid, prove
+    from memfit.memory.plan import PlanError
     from memfit.memory.preflight import PreflightReport
     from memfit.memory.probe import probe
     from memfit.progress import progress_bar
@@ -159,6 +202,7 @@ def plan_batches(ctx: RunContext, setup: TrainingSetup) -> WorstCase:
     budget, limit = budget_and_limit(ctx)
     calibration = calibrate(ctx, setup, probes)  # budget batching calibrates on every device (calibration.wanted)
     start = time.perf_counter()
+    settings = plan_settings(cfg)  # before auto resolves
     source, label = _lengths(ctx)
     multiple = cfg.memory.pad_to_multiple_of
     longest = BatchShape(1, padded(int(source.max(initial=1)), multiple), padded(int(label.max(initial=1)), multiple))
@@ -172,19 +216,8 @@ def plan_batches(ctx: RunContext, setup: TrainingSetup) -> WorstCase:
             return probe(probes, shape)[0]
 
         predict = _predictor(calibration, longest, cfg.model.task, measure, budget)
-        plan = grid(
-            source,
-            label,
-            task=cfg.model.task,
-            buckets=cfg.trainer.length_buckets,
-            multiple=multiple,
-            limit_bytes=limit,
-            fill=cfg.trainer.micro_batch_fill,
-            cap=min(cfg.trainer.max_micro_batch or step_samples(cfg), step_samples(cfg)),
-            predict=predict,
-        )
         try:
-            prove(plan, predict, measure, budget)
+            plan = _proven_plan(ctx, (source, label), (budget, limit), predict, measure)
         except PlanError as err:
             report.failure = str(err)
             log.error("preflight: %s", err)
@@ -194,6 +227,7 @@ def plan_batches(ctx: RunContext, setup: TrainingSetup) -> WorstCase:
         report.probes = [plan.measured[shape] for shape in plan.proof_shapes()]
         sampler, micro = _step_sampler(cfg, setup.trainer.train_dataset, plan)
         _record(ctx, plan, micro)
+        save_plan(cfg, plan, settings)
         setup.collator.capacity = plan.capacity
         setup.trainer.step_sampler = sampler
     ctx.tracker.log_metrics(report.metrics(), step=0)
