@@ -15,9 +15,12 @@ def _plan():
     return SimpleNamespace(source_edges=(32, 64), label_edges=(16,), batches={(0, 0): 8, (1, 0): 3})
 
 
-def test_a_checkpointed_run_records_its_plan_and_a_resume_with_the_same_settings_reads_it(compose_cfg):
+def test_a_checkpointed_run_records_its_plan_and_a_resume_with_the_same_settings_reads_it(compose_cfg, caplog):
     cfg = compose_cfg(*BUDGET)
     settings = plan_settings(cfg)
+    with caplog.at_level("INFO", logger="memfit"):
+        assert stored_plan(cfg, "checkpoint-2", settings) is None  # checkpoints without a record: a fresh plan
+    assert f"no {PLAN_FILE} beside the checkpoints" in caplog.text
     cfg.trainer.effective_batch = "tokens"  # what auto resolved to
     save_plan(cfg, _plan(), settings)
     record = stored_plan(cfg, "checkpoint-2", settings)

@@ -55,7 +55,10 @@ def plan_settings(cfg: Any) -> dict[str, Any]:
 def stored_plan(cfg: Any, checkpoint: str | None, settings: dict[str, Any]) -> PlanRecord | None:
     """The plan recorded beside the checkpoint a run resumes from, where it was sized with these settings."""
     path = checkpoint_dir(cfg) / PLAN_FILE
-    if checkpoint is None or not path.exists():
+    if checkpoint is None:
+        return None
+    if not path.exists():  # checkpoints of a fixed-batch run, or of a memfit before the record
+        log.info("trainer.resume: no %s beside the checkpoints: proving a new batch plan", PLAN_FILE)
         return None
     try:
         record = PlanRecord(**json.loads(path.read_text()))
