@@ -115,14 +115,14 @@ def test_a_resumed_run_trains_the_plan_recorded_beside_its_checkpoints(compose_c
     """The plan a checkpointed run trains is kept beside its checkpoints; a resumed run replays it (measured again),
     so its epoch packs as the first run's did whatever a fresh proof would size (changed settings prove a new one:
     tests/run/test_plan_record.py)."""
-    common = ["budget.gib=16", "trainer.save_steps=1", "tracking.run_name=replayed"]
+    common = ["budget.gib=16", "trainer.batch_size=4", "trainer.save_steps=1", "tracking.run_name=replayed"]
     first = _budget_run(compose_cfg, long_tail_jsonl, *common, "trainer.max_steps=1")
     assert first.status == "ok", first.reason
     client = MlflowClient(default_tracking_uri(str(compose_cfg().output_dir)))
     path = Path(compose_cfg().output_dir) / "checkpoints" / "replayed" / "batch_plan.json"
     record = json.loads(path.read_text())
     assert record["effective_batch"] == client.get_run(first.run_id).data.tags["memfit.effective_batch"]
-    assert {rows for _, _, rows in record["batches"]} == {16}  # roomy: the step's 16 samples a micro-batch
+    assert {rows for _, _, rows in record["batches"]} == {4}  # roomy: the step's 4 samples a micro-batch
     record["batches"] = [[i, j, 2] for i, j, _ in record["batches"]]  # as sized where memory was tighter
     path.write_text(json.dumps(record))
 
@@ -131,7 +131,7 @@ def test_a_resumed_run_trains_the_plan_recorded_beside_its_checkpoints(compose_c
     assert client.get_run(first.run_id).data.tags["memfit.batch_plan"].startswith("replayed")
     assert {cell["batch"] for cell in _plan(client, first.run_id)["cells"]} == {2}
     sizes = {m.step: m.value for m in client.get_metric_history(first.run_id, "train/micro_batch_size")}
-    assert sizes[1] > 2 and 1 <= sizes[2] <= 2  # step 2 packed by the recorded plan, not a fresh one's 16 rows
+    assert sizes[1] > 2 and 1 <= sizes[2] <= 2  # step 2 packed by the recorded plan, not a fresh one's 4 rows
 
 
 def test_a_causal_plan_fits_its_edges_to_the_memory_model_one_cell_where_the_budget_is_roomy(
