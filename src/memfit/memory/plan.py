@@ -228,23 +228,29 @@ def prove(
             raise PlanError(problem)
         if on_round is not None:
             on_round(plan)
-        failed = None
-        for shape in sorted(plan.proof_shapes(), key=predict, reverse=True):  # nearest the limit first
-            if shape not in plan.measured:
-                plan.measured[shape] = measure(shape)
-            probe = plan.measured[shape]
-            needed = max(budget_bytes, probe.attempted_bytes or 0) if probe.oom else probe.judged_bytes
-            plan.factor = max(plan.factor, needed / predict(shape))  # later rounds predict with what was measured
-            if not plan._fits(shape):
-                failed = shape
-                break
-        if failed is None:
+        if (failed := _first_unfit(plan, predict, measure, budget_bytes)) is None:
             return plan
         _lower_ceilings(plan, failed)
     raise PlanError(
         f"trainer.batching=budget: the plan still measured over the limit after {max_rounds} rounds: "
         "lower trainer.micro_batch_fill (e.g. 0.9)"
     )
+
+
+def _first_unfit(
+    plan: BatchPlan, predict: Callable[[BatchShape], float], measure: Callable[[BatchShape], Probe], budget_bytes: int
+) -> BatchShape | None:
+    """Measure the plan's proof shapes, nearest the limit first (each shape once), scaling later predictions by what
+    was measured; the first that does not fit, or None where all do."""
+    for shape in sorted(plan.proof_shapes(), key=predict, reverse=True):
+        if shape not in plan.measured:
+            plan.measured[shape] = measure(shape)
+        probe = plan.measured[shape]
+        needed = max(budget_bytes, probe.attempted_bytes or 0) if probe.oom else probe.judged_bytes
+        plan.factor = max(plan.factor, needed / predict(shape))  # later rounds predict with what was measured
+        if not plan._fits(shape):
+            return shape
+    return None
 
 
 def replay(
@@ -261,11 +267,8 @@ def replay(
     if None in plan.samples or any(plan.batches.get(cell, 0) < 1 for cell in plan.samples):
         return False  # the data now holds lengths the plan did not size
     plan.rounds = 1
-    for shape in sorted(plan.proof_shapes(), key=predict, reverse=True):  # nearest the limit first
-        plan.measured[shape] = probe = measure(shape)
-        if not plan._fits(shape):
-            return False
-        plan.factor = max(plan.factor, probe.judged_bytes / predict(shape))
+    if _first_unfit(plan, predict, measure, plan.limit_bytes) is not None:
+        return False
     plan.predicted = {cell: int(plan.factor * predict(plan.shape(cell))) for cell in plan.batches}
     return True
 

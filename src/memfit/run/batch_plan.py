@@ -147,7 +147,12 @@ def _predictor(calibration: Any, longest: Any, task: str, measure: Any, budget: 
 
 
 def _proven_plan(
-    ctx: RunContext, lengths: tuple[np.ndarray, np.ndarray], bounds: tuple[int, int], predict: Any, measure: Any
+    ctx: RunContext,
+    lengths: tuple[np.ndarray, np.ndarray],
+    bounds: tuple[int, int],
+    settings: dict,
+    predict: Any,
+    measure: Any,
 ) -> Any:
     """A resumed run's recorded plan where it still holds the data and fits this device (memfit.run.plan_record),
     else a plan sized by `predict` and proven by `measure`; raises PlanError where none can hold some sample."""
@@ -161,7 +166,7 @@ def _proven_plan(
         "fill": cfg.trainer.micro_batch_fill,
         "cap": min(cfg.trainer.max_micro_batch or step_samples(cfg), step_samples(cfg)),
     }
-    stored = stored_plan(cfg, ctx.resume.checkpoint, plan_settings(cfg))
+    stored = stored_plan(cfg, ctx.resume.checkpoint, settings)
     if stored is not None:
         batches = {(i, j): rows for i, j, rows in stored.batches}
         plan = BatchPlan(
@@ -217,7 +222,7 @@ def plan_batches(ctx: RunContext, setup: TrainingSetup) -> WorstCase:
 
         predict = _predictor(calibration, longest, cfg.model.task, measure, budget)
         try:
-            plan = _proven_plan(ctx, (source, label), (budget, limit), predict, measure)
+            plan = _proven_plan(ctx, (source, label), (budget, limit), settings, predict, measure)
         except PlanError as err:
             report.failure = str(err)
             log.error("preflight: %s", err)
