@@ -63,8 +63,11 @@ def run_budget(common: list[str], work: Path, budget: float, args: argparse.Name
     cut = [f"memory.max_label_length={args.cut}"]
     if args.arms == "abc":
         search = ["preflight_only=true", "trainer.batch_size=1", f"preflight.max_batch_limit={args.effective}"]
-        # the two searches measure memory only, each in its own process under its own cap: run them side by side
-        with ThreadPoolExecutor(2) as pool:
+        # the two searches measure memory only, each in its own process under its own cap: side by side where two
+        # budgets fit the card; past that one search's probes ran out of memory beside the other's (70 GiB on an
+        # H100: (b) searched batch 1 where 32 fits alone, "Session 50")
+        side_by_side = 2 if 2 * budget <= card_gib(args.device) else 1
+        with ThreadPoolExecutor(side_by_side) as pool:
             full = pool.submit(train_py, [*here, *search], work / f"{budget}_a_search")
             short = pool.submit(train_py, [*here, *cut, *search], work / f"{budget}_b_search")
             out["a_search"], out["b_search"] = worst, typical = full.result(), short.result()
@@ -133,6 +136,17 @@ def main() -> None:
         results[f"{budget:g}GiB"] = arms = Saving()
         run_budget(common, work, budget, args, arms)
     print(summary(results), flush=True)
+
+
+def card_gib(device: str) -> float:
+    """The card's memory in GiB, from nvidia-smi: no CUDA context in this process, which would hold memory beside
+    the arms' (CPU: unbounded here, the searches then run side by side)."""
+    import subprocess
+
+    if device != "cuda":
+        return math.inf
+    query = ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "--id=0"]
+    return int(subprocess.run(query, capture_output=True, text=True, check=True).stdout.strip()) / 1024  # MiB
 
 
 def host_cpu() -> dict:
