@@ -64,6 +64,33 @@ def test_oom_in_training_is_recorded_with_forensics(compose_cfg, tmp_path):
     torch.cuda.memory._record_memory_history(enabled=None)
 
 
+def test_a_gpu_another_process_fills_is_warned_about_before_the_preflight(compose_cfg, caplog):
+    import subprocess
+    import sys
+
+    free, total = torch.cuda.mem_get_info()
+    held = int(free - 2 * 2**30)  # another process leaves this one 2 GiB, far below a budget of the whole card
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import torch, time; x = torch.empty({held}, dtype=torch.uint8, device='cuda'); "
+            "print('held', flush=True); time.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        budget = int(total / 2**30) - 2
+        report = run(compose_cfg(*GPU_RUN, f"budget.gib={budget}", "preflight_only=true"))
+    finally:
+        holder.kill()
+    assert report.status == "ok", report.reason  # the tiny model fits beside the other process
+    warned = [r.getMessage() for r in caplog.records if "other processes hold the rest" in r.getMessage()]
+    assert warned and f"less than the {budget - 0.5:.1f} GiB" in warned[0]
+
+
 def test_a_plain_run_on_cuda_trains_budget_shaped_batches_by_default(compose_cfg):
     cfg = compose_cfg(*[o for o in GPU_RUN if o != "trainer.batching=fixed"], "budget.gib=8", "trainer.batch_size=8")
     report = run(cfg)

@@ -47,6 +47,11 @@ def test_marks_cut_a_window_into_parts_and_a_part_outlives_a_window_reset():
     assert meter.window_peak().allocated < first.allocated - 250 * 1024**2  # the new window did not see the block
 
 
+def test_the_host_meter_reads_free_memory_within_the_total():
+    meter = HostMeter()
+    assert 0 < meter.free_bytes() <= meter.total_bytes()
+
+
 def test_peak_arithmetic():
     a, b = MemoryPeak(2 * GIB, 3 * GIB), MemoryPeak(4 * GIB, 1 * GIB)
     assert a.max(b) == MemoryPeak(4 * GIB, 3 * GIB)

@@ -134,6 +134,21 @@ def test_a_fixed_batch_run_on_cuda_without_expandable_segments_is_warned(compose
     assert fragmentation_warning(compose_cfg("model=tiny_seq2seq"), "cuda") is None  # balanced grows segments
 
 
+def test_a_gpu_whose_free_memory_falls_short_of_the_limit_is_warned_about_naming_the_budget_that_would_fit():
+    from memfit.config import GIB, limit_bytes
+    from memfit.memory.policy import shared_device_warning
+
+    card = int(79.6 * GIB)  # an H100 80GB
+    whole = limit_bytes(card, 0.5)
+    assert shared_device_warning(card - GIB // 2, whole, "cuda") is None  # only this process's own context on it
+    # another 70 GiB run beside this one (benchmarks/README.md "Session 50")
+    warning = shared_device_warning(int(9.1 * GIB), limit_bytes(70 * GIB, 0.5), "cuda")
+    assert warning is not None and "9.1 GiB free, less than the 69.5 GiB" in warning
+    assert "budget.gib<=9" in warning
+    assert shared_device_warning(int(9.1 * GIB), limit_bytes(8 * GIB, 0.5), "cuda") is None  # a budget that fits
+    assert shared_device_warning(0, whole, "cpu") is None  # the host's free memory bounds a CPU budget already
+
+
 def test_a_trial_pinned_to_a_gpu_the_machine_lacks_is_one_line_not_a_silent_cpu_run():
     problem = hidden_gpus_problem("3", 2, cuda_available=False)  # hydra.sweeper.devices=[3], a host with GPUs 0, 1
     assert problem is not None and "CUDA_VISIBLE_DEVICES=3 shows none of this machine's 2 GPUs (0-1)" in problem

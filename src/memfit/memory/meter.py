@@ -110,6 +110,10 @@ class CudaMeter(_Windows):
     def total_bytes(self) -> int:
         return self.torch.cuda.get_device_properties(self.device).total_memory
 
+    def free_bytes(self) -> int:
+        """What the device has free now, across every process on it: the most this process's allocator can add."""
+        return self.torch.cuda.mem_get_info(self.device)[0]
+
 
 def _return_freed_memory() -> None:
     """Collect garbage and hand the C heap's free pages back to the OS (glibc's malloc_trim). A Hydra multirun runs
@@ -175,6 +179,12 @@ class HostMeter(_Windows):
         import psutil
 
         return psutil.virtual_memory().total
+
+    def free_bytes(self) -> int:
+        """What the host can still give processes without swapping (psutil's available)."""
+        import psutil
+
+        return psutil.virtual_memory().available
 
 
 def make_meter(device: str) -> CudaMeter | HostMeter:

@@ -139,6 +139,25 @@ def fragmentation_warning(cfg: DictConfig, device: str) -> str | None:
     )
 
 
+# This process's own CUDA context (about 0.5 GiB) is not free either: a GPU only this process uses still shows that
+# much less free than its total, which a budget of the whole device (budget.gib=null) must not be warned about.
+OWN_CONTEXT_BYTES = GIB
+
+
+def shared_device_warning(free_bytes: int, limit_bytes: int, device: str) -> str | None:
+    """Where other processes hold so much of the GPU that this one cannot reach the limit its peaks are judged
+    against (budget minus margin): the preflight's probes then run out of memory below the budget, which reads
+    as "does not fit" and sizes batches smaller than the budget allows (two 70 GiB runs on one 80 GiB H100: a
+    largest-batch search found 1 row where 32 fit alone, benchmarks/README.md "Session 50")."""
+    if device != "cuda" or free_bytes + OWN_CONTEXT_BYTES >= limit_bytes:
+        return None
+    return (
+        f"the GPU has {free_bytes / GIB:.1f} GiB free, less than the {limit_bytes / GIB:.1f} GiB this run is judged "
+        "against (budget minus margin): other processes hold the rest, and the preflight measures what fits beside "
+        f"them (smaller batches, or a failure below the budget); free the GPU or set budget.gib<={free_bytes // GIB}"
+    )
+
+
 def apply_attention_kernels(memory: DictConfig, device: str) -> None:
     """Whether scaled-dot-product attention may use cuDNN's kernel. cuDNN builds a plan for each new input shape,
     a host-side cost of a step that meets one, and length-grouped batches padded to a multiple of 8 meet dozens of
@@ -176,6 +195,11 @@ class BudgetCap:
     fraction: float | None  # the allocator cap set on CUDA, None when not capped
     enforced: bool  # True when the device itself refuses allocations past the budget
     device: str = "cuda"
+
+    @property
+    def held_bytes(self) -> int:
+        """What the run must fit in: the budget, else the allocator cap's share of the device, else all of it."""
+        return self.budget_bytes or int((self.fraction or 1.0) * self.device_bytes)
 
     @property
     def judged_against(self) -> str:

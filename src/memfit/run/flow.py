@@ -9,7 +9,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from memfit.config import GIB, ConfigError, validate
+from memfit.config import GIB, ConfigError, limit_bytes, validate
 from memfit.config.local_model import check_vocabulary
 from memfit.memory.policy import (
     apply_allocator_env,
@@ -69,7 +69,13 @@ def _start(cfg: DictConfig, clock: StartupClock, callbacks: tuple[Any, ...] = ()
 
     from memfit.data import load_and_tokenize
     from memfit.memory.meter import make_meter
-    from memfit.memory.policy import apply_attention_kernels, apply_budget, fragmentation_warning, resolve_batching
+    from memfit.memory.policy import (
+        apply_attention_kernels,
+        apply_budget,
+        fragmentation_warning,
+        resolve_batching,
+        shared_device_warning,
+    )
     from memfit.models import build_tokenizer
     from memfit.tracking import start_tracking
 
@@ -98,6 +104,9 @@ def _start(cfg: DictConfig, clock: StartupClock, callbacks: tuple[Any, ...] = ()
     if problems := check_budget(cfg, device, meter.total_bytes()):
         raise ConfigError(problems)
     cap = apply_budget(cfg, device, meter.total_bytes())
+    limit = limit_bytes(cap.held_bytes, cfg.budget.margin_gib)
+    if warning := shared_device_warning(meter.free_bytes(), limit, device):
+        log.warning(warning)
     apply_attention_kernels(cfg.memory, device)
     clock.lap("device")  # on CUDA: the context's start
     log.info("device %s, memory meter: %s, budget: %s", device, meter.label, cap.label)

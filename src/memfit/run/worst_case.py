@@ -54,11 +54,9 @@ def budget_and_limit(ctx: RunContext) -> tuple[int, int]:
     run's allocator cache holds beyond a fresh probe (the meter's cache_growth), so that a whole run stays within
     budget minus margin."""
     cap, meter = ctx.cap, ctx.meter
-    budget = cap.budget_bytes or (cap.fraction or 1.0) * meter.total_bytes()
+    budget = cap.held_bytes
     if ctx.device != "cuda":  # nothing caps host allocations: never probe past the memory the host has free
-        import psutil
-
-        budget = min(budget, psutil.virtual_memory().available + meter.current_bytes())
+        budget = min(budget, meter.free_bytes() + meter.current_bytes())
     return int(budget), limit_bytes(budget, ctx.cfg.budget.margin_gib) - meter.cache_growth
 
 
