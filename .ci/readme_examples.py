@@ -13,6 +13,7 @@ Run from the repository root after the test extras are installed: python .ci/rea
 from __future__ import annotations
 
 import json
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -63,7 +64,10 @@ def the_small_examples(work: Path) -> None:
     said = run("python train.py model=tiny_seq2seq preflight_only=true", work / "preflight")
     assert "largest batch that fits the worst case" in said, said[-3000:]
     said = run("python train.py model=tiny_seq2seq estimate_only=true", work / "estimate")
-    assert "estimate (memory model" in said, said[-3000:]
+    assert "estimate (memory model" in said and "fitted from 6 probes" in said, said[-3000:]
+    assert re.search(r"largest batch predicted to fit at source \d+ × labels \d+: (>= )?\d+", said), said[-3000:]
+    assert len(list((work / "estimate").glob("calibration/*.json"))) == 1  # fitted from nothing, kept for the next
+    assert finished_runs(work / "estimate")[0].data.tags["memfit.mode"] == "estimate_only"
     print("README tiny causal, preflight_only and estimate_only examples: run")
 
 

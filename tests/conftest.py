@@ -275,8 +275,8 @@ def tiny_seq2seq_calibration(tmp_path_factory) -> Callable[[Path], list[str]]:
     once per session (one xdist worker fits it, under a lock, the others wait and share it): a sweep test whose
     subject is not calibration starts as on a machine that calibrated before, rather than paying ~15-60 CPU
     seconds of probes again. It is fitted from nothing here, by the sizing job those sweeps fork (its command
-    line), and in tests/memory/test_calibration.py and the README's estimate_only example. Returns the keys
-    copied."""
+    line), and in tests/memory/test_calibration.py and the README's estimate_only example
+    (.ci/readme_examples.py). Returns the keys copied."""
     from filelock import FileLock
 
     from memfit.sweep.sizing import sizing_overrides
