@@ -143,7 +143,7 @@ def test_a_gpu_whose_free_memory_falls_short_of_the_limit_is_warned_about_naming
     assert shared_device_warning(card - GIB // 2, whole, "cuda") is None  # only this process's own context on it
     # another 70 GiB run beside this one (benchmarks/README.md "Session 50")
     warning = shared_device_warning(int(9.1 * GIB), limit_bytes(70 * GIB, 0.5), "cuda")
-    assert warning is not None and "9.1 GiB free, less than the 69.5 GiB" in warning
+    assert warning is not None and "can take 9.1 GiB of the GPU, less than the 69.5 GiB" in warning
     assert "budget.gib<=9" in warning
     assert shared_device_warning(int(9.1 * GIB), limit_bytes(8 * GIB, 0.5), "cuda") is None  # a budget that fits
     assert shared_device_warning(0, whole, "cpu") is None  # the host's free memory bounds a CPU budget already

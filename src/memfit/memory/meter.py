@@ -110,9 +110,10 @@ class CudaMeter(_Windows):
     def total_bytes(self) -> int:
         return self.torch.cuda.get_device_properties(self.device).total_memory
 
-    def free_bytes(self) -> int:
-        """What the device has free now, across every process on it: the most this process's allocator can add."""
-        return self.torch.cuda.mem_get_info(self.device)[0]
+    def reachable_bytes(self) -> int:
+        """The most this process's allocator can hold now: what it reserved already (an earlier job of a multirun
+        may have left its cache) and what the device has free beside every other process."""
+        return self.torch.cuda.mem_get_info(self.device)[0] + self.torch.cuda.memory_reserved(self.device)
 
 
 def _return_freed_memory() -> None:
@@ -180,11 +181,12 @@ class HostMeter(_Windows):
 
         return psutil.virtual_memory().total
 
-    def free_bytes(self) -> int:
-        """What the host can still give processes without swapping (psutil's available)."""
+    def reachable_bytes(self) -> int:
+        """The most this process can hold now: its resident set and what the host can still give without swapping
+        (psutil's available)."""
         import psutil
 
-        return psutil.virtual_memory().available
+        return psutil.virtual_memory().available + self.current_bytes()
 
 
 def make_meter(device: str) -> CudaMeter | HostMeter:

@@ -139,22 +139,25 @@ def fragmentation_warning(cfg: DictConfig, device: str) -> str | None:
     )
 
 
-# This process's own CUDA context (about 0.5 GiB) is not free either: a GPU only this process uses still shows that
-# much less free than its total, which a budget of the whole device (budget.gib=null) must not be warned about.
+# This process's own CUDA context (about 0.5 GiB) is outside its allocator's reach too: a GPU only this process
+# uses shows that much less than its total, which a budget of the whole device (budget.gib=null) must not be
+# warned about.
 OWN_CONTEXT_BYTES = GIB
 
 
-def shared_device_warning(free_bytes: int, limit_bytes: int, device: str) -> str | None:
+def shared_device_warning(reachable_bytes: int, limit_bytes: int, device: str) -> str | None:
     """Where other processes hold so much of the GPU that this one cannot reach the limit its peaks are judged
-    against (budget minus margin): the preflight's probes then run out of memory below the budget, which reads
-    as "does not fit" and sizes batches smaller than the budget allows (two 70 GiB runs on one 80 GiB H100: a
-    largest-batch search found 1 row where 32 fit alone, benchmarks/README.md "Session 50")."""
-    if device != "cuda" or free_bytes + OWN_CONTEXT_BYTES >= limit_bytes:
+    against (budget minus margin; `reachable_bytes`: the meter's, this process's cache and the device's free
+    memory): the preflight's probes then run out of memory below the budget, which reads as "does not fit" and
+    sizes batches smaller than the budget allows (two 70 GiB runs on one 80 GiB H100: a largest-batch search found
+    1 row where 32 fit alone, benchmarks/README.md "Session 50")."""
+    if device != "cuda" or reachable_bytes + OWN_CONTEXT_BYTES >= limit_bytes:
         return None
     return (
-        f"the GPU has {free_bytes / GIB:.1f} GiB free, less than the {limit_bytes / GIB:.1f} GiB this run is judged "
-        "against (budget minus margin): other processes hold the rest, and the preflight measures what fits beside "
-        f"them (smaller batches, or a failure below the budget); free the GPU or set budget.gib<={free_bytes // GIB}"
+        f"this process can take {reachable_bytes / GIB:.1f} GiB of the GPU, less than the {limit_bytes / GIB:.1f} "
+        "GiB this run is judged against (budget minus margin): other processes hold the rest, and the preflight "
+        "measures what fits beside them (smaller batches, or a failure below the budget); free the GPU or set "
+        f"budget.gib<={reachable_bytes // GIB}"
     )
 
 

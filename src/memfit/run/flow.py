@@ -105,7 +105,7 @@ def _start(cfg: DictConfig, clock: StartupClock, callbacks: tuple[Any, ...] = ()
         raise ConfigError(problems)
     cap = apply_budget(cfg, device, meter.total_bytes())
     limit = limit_bytes(cap.held_bytes, cfg.budget.margin_gib)
-    if warning := shared_device_warning(meter.free_bytes(), limit, device):
+    if warning := shared_device_warning(meter.reachable_bytes(), limit, device):
         log.warning(warning)
     apply_attention_kernels(cfg.memory, device)
     clock.lap("device")  # on CUDA: the context's start

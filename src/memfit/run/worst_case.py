@@ -56,7 +56,7 @@ def budget_and_limit(ctx: RunContext) -> tuple[int, int]:
     cap, meter = ctx.cap, ctx.meter
     budget = cap.held_bytes
     if ctx.device != "cuda":  # nothing caps host allocations: never probe past the memory the host has free
-        budget = min(budget, meter.free_bytes() + meter.current_bytes())
+        budget = min(budget, meter.reachable_bytes())
     return int(budget), limit_bytes(budget, ctx.cfg.budget.margin_gib) - meter.cache_growth
 
 
