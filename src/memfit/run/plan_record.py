@@ -54,9 +54,9 @@ def plan_settings(cfg: Any) -> dict[str, Any]:
 
 def stored_plan(cfg: Any, checkpoint: str | None, settings: dict[str, Any]) -> PlanRecord | None:
     """The plan recorded beside the checkpoint a run resumes from, where it was sized with these settings."""
-    path = checkpoint_dir(cfg) / PLAN_FILE
     if checkpoint is None:
         return None
+    path = checkpoint_dir(cfg) / PLAN_FILE
     if not path.exists():  # checkpoints of a fixed-batch run, or of a memfit before the record
         log.info("trainer.resume: no %s beside the checkpoints: proving a new batch plan", PLAN_FILE)
         return None
@@ -91,5 +91,6 @@ def save_plan(cfg: Any, plan: Any, settings: dict[str, Any]) -> None:
         batches=[[i, j, rows] for (i, j), rows in sorted(plan.batches.items())],
         effective_batch=cfg.trainer.effective_batch,
     )
-    checkpoint_dir(cfg).mkdir(parents=True, exist_ok=True)
-    (checkpoint_dir(cfg) / PLAN_FILE).write_text(json.dumps(asdict(record)))
+    directory = checkpoint_dir(cfg)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / PLAN_FILE).write_text(json.dumps(asdict(record)))
