@@ -85,7 +85,8 @@ def instrumentation_overhead(overrides: list[str], steps: int, repeats: int, sto
     from memfit.memory.policy import apply_allocator_env, training_arguments
     from memfit.models import build_model, build_tokenizer
     from memfit.tracking import MlflowTracker, NullTracker
-    from memfit.training.trainer import build_trainer, make_callback
+    from memfit.training.callback import make_callback
+    from memfit.training.trainer import build_trainer
 
     cfg = compose([*overrides, f"trainer.max_steps={steps}", "memory.eval_enabled=false"])
     apply_allocator_env(cfg.memory)

@@ -93,6 +93,23 @@ def long_tail_jsonl(tmp_path) -> Path:
     return write_jsonl(tmp_path / "long_tail.jsonl", rows)
 
 
+def save_checkpoint(compose_cfg, directory, model: str, vocab: int | None = None):
+    """A tiny model's random weights and the bundled tokenizer, saved as save_pretrained writes a checkpoint. Read
+    back beside a config.json, the tokenizer takes the architecture's class, which may add an end token: the
+    embedding is sized for what the directory's tokenizer holds unless `vocab` says otherwise."""
+    from transformers import AutoTokenizer
+
+    from memfit.models import build_model, build_tokenizer
+
+    cfg = compose_cfg(f"model={model}", "model.lora.enabled=false", "trainer.device=cpu")
+    build_tokenizer(cfg.model).save_pretrained(directory)
+    build_model(cfg, build_tokenizer(cfg.model), "cpu").model.save_pretrained(directory)
+    size = vocab or -(-len(AutoTokenizer.from_pretrained(directory)) // 8) * 8
+    cfg = compose_cfg(f"model={model}", "model.lora.enabled=false", f"model.architecture.vocab_size={size}")
+    build_model(cfg, build_tokenizer(cfg.model), "cpu").model.save_pretrained(directory)
+    return directory
+
+
 def train_py_env() -> dict[str, str]:
     env = dict(os.environ, CI="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     env.pop("HYDRA_FULL_ERROR", None)

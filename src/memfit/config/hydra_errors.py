@@ -38,15 +38,18 @@ def schema_keys(cls: type | None = None, prefix: str = "") -> list[str]:
     return keys
 
 
-def _nearest(key: str) -> str:
-    """': did you mean <the closest key of the same section>?', or nothing: names are compared within the section,
-    removed knobs left out."""
-    from memfit.config.validate import REMOVED_KNOBS
+# keys no longer in the schema that users still type, and what replaces each
+REMOVED_KEYS = {
+    "memory.lora_r": "set model.lora.r (a policy sets it there too: conf/memory/tight.yaml)",
+    "memory.lora_target_modules": "set model.lora.target_modules (a policy sets it there too: conf/memory/tight.yaml)",
+}
 
+
+def _nearest(key: str) -> str:
+    """': did you mean <the closest key of the same section>?', or nothing: names are compared within the section."""
     section, _, name = key.rpartition(".")
     prefix = f"{section}." if section else ""
-    removed = {f"memory.{knob}" for knob in REMOVED_KNOBS}
-    names = [k[len(prefix) :] for k in schema_keys() if k.startswith(prefix) and k not in removed]
+    names = [k[len(prefix) :] for k in schema_keys() if k.startswith(prefix)]
     names = [n for n in names if "." not in n]
     close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
     return f": did you mean {prefix}{close[0]}?" if close else ""
@@ -73,6 +76,8 @@ def _bad_value(cause: Any) -> str | None:
     if not key:
         return None
     if isinstance(cause, ConfigAttributeError | ConfigKeyError):
+        if key in REMOVED_KEYS:
+            return f"{key} was removed: {REMOVED_KEYS[key]}"
         return f"{key} is not a config key{_nearest(key)} (python train.py --cfg job lists them)"
     if isinstance(cause, ValidationError):
         # "could not be converted to Integer", or a bool's "is not a valid bool"

@@ -10,6 +10,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from memfit.config.hub import HubError, hub_checkpoint, looks_like_hub_id
+
 # where a config.json keeps its position limit, most specific first (T5's relative positions have none: n_positions)
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 TOKENIZER_FILES = (
@@ -23,10 +25,54 @@ TOKENIZER_FILES = (
 DEFAULT_POSITIONS = 512
 
 
-def checkpoint_config(path: str) -> dict[str, Any] | None:
+def local_checkpoint(model: DictConfig) -> str | None:
+    """The directory model.name_or_path loads from: itself, or a hub id's snapshot in the Hub's cache (fetched
+    where the Hub is reachable: memfit.config.hub). None where there is none (checkpoint_problem says why)."""
+    path = model.name_or_path
+    if not path or Path(path).is_dir():
+        return path or None
+    if not looks_like_hub_id(path):
+        return None
+    try:
+        return hub_checkpoint(path, model.revision)
+    except HubError:
+        return None
+
+
+def tokenizer_source(model: DictConfig) -> str | None:
+    """Where the tokenizer loads from: model.tokenizer (a directory or a hub id), else the checkpoint's own."""
+    if model.tokenizer and looks_like_hub_id(model.tokenizer):
+        return hub_checkpoint(model.tokenizer, None, "model.tokenizer")
+    return model.tokenizer or local_checkpoint(model)
+
+
+def checkpoint_problem(model: DictConfig) -> str | None:
+    """Why model.name_or_path (or model.tokenizer) gives no checkpoint: one line, or None."""
+    for field, name, revision in (
+        ("model.name_or_path", model.name_or_path, model.revision),
+        ("model.tokenizer", model.tokenizer, None),
+    ):
+        if not name or Path(name).exists():
+            continue
+        if not looks_like_hub_id(name):
+            return f"{field}={name} does not exist: give a checkpoint directory or a Hugging Face Hub id"
+        try:
+            hub_checkpoint(name, revision, field)
+        except HubError as err:
+            return str(err)
+    return None
+
+
+def checkpoint_config(path: str | None) -> dict[str, Any] | None:
     """The directory's config.json, or None where it has none."""
-    file = Path(path) / "config.json"
-    return json.loads(file.read_text()) if file.is_file() else None
+    file = Path(path) / "config.json" if path else None
+    if file is None or not file.is_file():
+        return None
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None  # check_local_model names it
+    return config if isinstance(config, dict) else None
 
 
 def task_of(config: dict[str, Any]) -> str:
@@ -50,7 +96,7 @@ def resolve_local_model(cfg: DictConfig) -> None:
     model = cfg.model
     if not model.name_or_path or (model.task != "auto" and model.max_positions is not None):
         return
-    config = checkpoint_config(model.name_or_path) if Path(model.name_or_path).is_dir() else None
+    config = checkpoint_config(local_checkpoint(model))
     if config is None:
         return
     if model.task == "auto":
@@ -72,6 +118,8 @@ def unresolved_problems(model: DictConfig) -> list[str]:
             f"model.{unread[0]} is read from a checkpoint's config.json (model=local): set "
             "model.name_or_path=<checkpoint directory>"
         ]
+    if problem := checkpoint_problem(model):
+        return [problem]
     return check_local_model(model) or [
         f"model.name_or_path={model.name_or_path} is not a directory: give the one save_pretrained() wrote"
     ]
@@ -79,23 +127,49 @@ def unresolved_problems(model: DictConfig) -> list[str]:
 
 def check_local_model(model: DictConfig) -> list[str]:
     """A checkpoint directory's problems, found without loading it."""
-    path = model.name_or_path
-    if not path or not Path(path).is_dir():
-        return []  # the model checks report a missing path
+    path = local_checkpoint(model)
+    if not path:
+        return []  # checkpoint_problem reports a missing path or hub id
+    given = model.name_or_path
     problems = []
     if not (Path(path) / "config.json").is_file():
-        problems.append(f"model.name_or_path={path} has no config.json: give the directory save_pretrained() wrote")
+        problems.append(f"model.name_or_path={given} has no config.json: give the directory save_pretrained() wrote")
+    elif checkpoint_config(path) is None:
+        problems.append(
+            f"model.name_or_path={given}: its config.json is not a JSON object: save the checkpoint again with "
+            "save_pretrained()"
+        )
+    if problem := _headless_problem(given, checkpoint_config(path), model.task):
+        problems.append(problem)
     if not model.tokenizer and not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
         problems.append(
-            f"model.name_or_path={path} has no tokenizer files: save the tokenizer beside the weights "
+            f"model.name_or_path={given} has no tokenizer files: save the tokenizer beside the weights "
             "(tokenizer.save_pretrained(dir)) or set model.tokenizer=<its directory>"
         )
     return problems
 
 
+# the class names of checkpoints that carry a language-model head a causal LM trains (Qwen2ForCausalLM,
+# GPT2LMHeadModel, Gemma3ForConditionalGeneration)
+CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+
+
+def _headless_problem(given: str, config: dict[str, Any] | None, task: str) -> str | None:
+    """A checkpoint saved without a language-model head (an encoder such as BertModel or BertForMaskedLM) trained
+    as a causal LM would get a freshly initialised head, frozen under LoRA: refused. Where config.json lists no
+    architectures, nothing is known and nothing is refused."""
+    architectures = (config or {}).get("architectures") or []
+    if task != "causal" or not architectures or any(a.endswith(CAUSAL_HEADS) for a in architectures):
+        return None
+    return (
+        f"model.name_or_path={given} is a {', '.join(architectures)} checkpoint, with no language-model head for a "
+        "causal LM (it would train a random head): give a decoder (...ForCausalLM) or an encoder-decoder checkpoint"
+    )
+
+
 def check_vocabulary(model: DictConfig, tokenizer: Any) -> list[str]:
     """A checkpoint whose embedding has fewer rows than its tokenizer has tokens would index past it in training."""
-    config = checkpoint_config(model.name_or_path) if model.name_or_path else None
+    config = checkpoint_config(local_checkpoint(model))
     if not config:
         return []
     vocab = config.get("vocab_size") or (config.get("decoder") or {}).get("vocab_size")

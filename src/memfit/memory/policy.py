@@ -301,6 +301,8 @@ def training_arguments(cfg: DictConfig, device: str, output_dir: str, has_eval: 
         remove_unused_columns=False,  # datasets hold only model inputs; peft wrappers hide forward's signature
         disable_tqdm=bool(os.environ.get("CI")),
     )
+    if t.save_model == "best" and evaluate:  # Trainer loads the best checkpoint at the end: that one is saved
+        kwargs.update(load_best_model_at_end=True, metric_for_best_model="eval_loss", greater_is_better=False)
     kwargs.update(_sampling_kwargs(args_cls, mem.group_by_length))
     if args_cls is Seq2SeqTrainingArguments and t.predict_with_generate:
         from memfit.config import effective_lengths

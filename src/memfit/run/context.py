@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from memfit.memory.preflight import PreflightReport
     from memfit.models import BuiltModel
     from memfit.run.identity import ResumePoint
-    from memfit.training.trainer import MemoryLoggingCallback
+    from memfit.training.callback import MemoryLoggingCallback
 
 
 class StartupClock:

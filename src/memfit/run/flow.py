@@ -22,6 +22,7 @@ from memfit.run.batch_plan import plan_batches
 from memfit.run.context import RunContext, StartupClock, TrainingSetup, WorstCase
 from memfit.run.identity import find_resume_point, remember_run, run_name, run_tags
 from memfit.run.report import OutOfMemoryInTraining, RunReport, is_oom
+from memfit.run.save_phase import save_model
 from memfit.run.signals import Stopped, raise_if_stopped
 from memfit.run.state_bound import state_over_room
 from memfit.run.train_phase import prepare_training, train
@@ -149,8 +150,8 @@ def _with_worst_case(report: RunReport, ctx: RunContext, worst: WorstCase) -> Ru
 def _growth_past_preflight(report: RunReport, ctx: RunContext) -> None:
     """How far training's peak reserved memory went past the preflight's judged worst case (the worst batch's
     measured reserved plus what the preflight kept for a long run's allocator cache, which a fresh probe does not
-    hold: issue 26). Logged on every run that trained after a preflight; on CUDA, growth that took it past budget
-    minus margin is also said, with what held it."""
+    hold). Logged on every run that trained after a preflight; growth that took it past budget minus margin is
+    also said, with what held it on CUDA (the cap), and on CPU that nothing does."""
     if not report.steps or report.worst_case_peak_gib is None or report.peak_reserved_gib is None:
         return
     growth = report.peak_reserved_gib - report.worst_case_peak_gib
@@ -165,6 +166,17 @@ def _growth_past_preflight(report: RunReport, ctx: RunContext) -> None:
             report.limit_gib,
             report.peak_where or "where is not known",
         )
+    if ctx.device == "cpu" and report.limit_gib is not None and report.peak_reserved_gib > report.limit_gib:
+        log.warning(
+            "training's host memory (RSS) reached %.2f GiB, %.2f GiB past the preflight's judged %.2f GiB for the "
+            "worst batch and over the budget minus margin, %.2f GiB: on CPU the process grows over a run (the "
+            "allocator, evaluation, what Python keeps) and nothing caps it; past budget.gib the run stops "
+            "(docs/preflight.md)",
+            report.peak_reserved_gib,
+            growth,
+            report.worst_case_peak_gib,
+            report.limit_gib,
+        )
     if ctx.device == "cuda" and report.limit_gib is not None and report.peak_reserved_gib > report.limit_gib:
         log.warning(
             "training's reserved memory reached %.2f GiB, %.2f GiB past the preflight's judged %.2f GiB for the "
@@ -178,41 +190,42 @@ def _growth_past_preflight(report: RunReport, ctx: RunContext) -> None:
         )
 
 
-def _phases(ctx: RunContext) -> tuple[RunReport, WorstCase]:
+def _phases(ctx: RunContext) -> tuple[RunReport, WorstCase, TrainingSetup | None]:
     """Model and Trainer, then estimate, preflight and training, as the config asks."""
     cfg, worst = ctx.cfg, WorstCase()
     if too_large := state_over_room(ctx):  # before any weight loads
         log.error("%s", too_large.reason)
-        return too_large, worst
+        return too_large, worst, None
     setup: TrainingSetup = prepare_training(ctx)
     raise_if_stopped()  # a stop signal dropped while the model was built (signals._received)
     log.info("start-up: %s", ctx.clock.summary())
     ctx.tracker.log_metrics({f"startup/{phase}_s": seconds for phase, seconds in ctx.clock.seconds.items()}, step=0)
     if cfg.estimate_only:
-        return estimate(ctx, setup), worst
+        return estimate(ctx, setup), worst, setup
     if cfg.preflight.enabled:
         worst = plan_batches(ctx, setup) if cfg.trainer.batching == "budget" else run_preflight(ctx, setup)
         ctx.clock.lap("preflight")
         if not worst.report.passed:
-            return RunReport(status="preflight_failed", reason=worst.report.summary()), worst
+            return RunReport(status="preflight_failed", reason=worst.report.summary()), worst, setup
         raise_if_stopped()
     if cfg.preflight_only:
-        return RunReport(status="ok", steps=0), worst
+        return RunReport(status="ok", steps=0), worst, setup
     report = train(ctx, setup)
     ctx.clock.lap("train")
-    return report, worst
+    return report, worst, setup
 
 
 def _ended_by(err: BaseException) -> tuple[str, str]:
     """(status, reason) of a run that an exception ended."""
-    from memfit.training.trainer import NonFiniteLoss
+    from memfit.training.callback import NonFiniteLoss, OverBudget
 
     if isinstance(err, KeyboardInterrupt):
         how = err.name if isinstance(err, Stopped) else "SIGINT"
         return "interrupted", f"killed: stopped by {how}; a checkpointed run continues with trainer.resume=true"
-    status = "oom" if is_oom(err) else "nan_loss" if isinstance(err, NonFiniteLoss) else "failed"
+    kinds = {NonFiniteLoss: "nan_loss", OverBudget: "over_budget"}
+    status = "oom" if is_oom(err) else next((s for kind, s in kinds.items() if isinstance(err, kind)), "failed")
     first_line = str(err).splitlines()[0] if str(err) else ""
-    if isinstance(err, OutOfMemoryInTraining | NonFiniteLoss):
+    if isinstance(err, OutOfMemoryInTraining | NonFiniteLoss | OverBudget):
         return status, first_line
     return status, f"{status}: {type(err).__name__}: {first_line}"
 
@@ -221,17 +234,20 @@ def run(cfg: DictConfig, callbacks: Sequence[Any] = ()) -> RunReport:
     """Validate and load data (bad input raises before any model load or record), then audit, preflight, train.
     `callbacks`: more transformers TrainerCallbacks for the run's Trainer, after memfit's own (a benchmark's clock)."""
     ctx = _start(cfg, StartupClock(), tuple(callbacks))
+    saved = None
     try:
         _record_start(ctx)
-        report, worst = _phases(ctx)
+        report, worst, setup = _phases(ctx)
+        _with_worst_case(report, ctx, worst)
+        _growth_past_preflight(report, ctx)
+        if report.status == "ok" and setup is not None:
+            saved = save_model(ctx, setup, report)
     except (Exception, KeyboardInterrupt) as err:
         status, reason = _ended_by(err)
         ctx.tracker.finish("KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED", reason)
-        if status in ("oom", "nan_loss"):
+        if status in ("oom", "nan_loss", "over_budget"):
             return RunReport(status=status, reason=reason, run_id=ctx.tracker.run_id, meter=ctx.meter.label)
         raise
-    _with_worst_case(report, ctx, worst)
-    _growth_past_preflight(report, ctx)
     if report.status == "preflight_failed":
         ctx.tracker.finish("FAILED", "preflight: the worst batch does not fit the budget")
         return report
@@ -246,4 +262,6 @@ def run(cfg: DictConfig, callbacks: Sequence[Any] = ()) -> RunReport:
             ctx.meter.label,
             report.tokens_per_s,
         )
+    if saved:
+        log.info(saved)
     return report

@@ -14,11 +14,20 @@ from omegaconf import DictConfig
 log = logging.getLogger("memfit")
 
 
+def model_label(model: DictConfig) -> str:
+    """The model's config name, with the checkpoint's own name where it loads one (a directory or a hub id): two
+    checkpoints under model=local are two names."""
+    if not model.name_or_path:
+        return model.name
+    checkpoint = Path(str(model.name_or_path).rstrip("/")).name
+    return model.name if checkpoint == model.name else f"{model.name}-{checkpoint}"
+
+
 def run_name(cfg: DictConfig) -> str:
     if cfg.tracking.run_name:
         return cfg.tracking.run_name
     budget = f"-{cfg.budget.gib:g}GiB" if cfg.budget.gib else ""
-    return f"{cfg.model.name}-{cfg.memory.name}-b{cfg.trainer.batch_size}{budget}"
+    return f"{model_label(cfg.model)}-{cfg.memory.name}-b{cfg.trainer.batch_size}{budget}"
 
 
 def run_tags(cfg: DictConfig, device: str, meter_label: str) -> dict[str, str]:
@@ -61,6 +70,11 @@ class ResumePoint:
 
 def checkpoint_dir(cfg: DictConfig) -> Path:
     return Path(cfg.output_dir) / "checkpoints" / run_name(cfg)
+
+
+def model_dir(cfg: DictConfig) -> Path:
+    """Where the run saves what it trained (trainer.save_model)."""
+    return Path(cfg.output_dir) / "models" / run_name(cfg)
 
 
 def find_resume_point(cfg: DictConfig) -> ResumePoint:

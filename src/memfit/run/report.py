@@ -11,7 +11,7 @@ EXIT_BAD_INPUT, EXIT_RUN_FAILED, EXIT_PREFLIGHT_FAILED = 2, 1, 3
 
 @dataclass
 class RunReport:
-    status: str  # ok | oom | preflight_failed | nan_loss | failed | invalid
+    status: str  # ok | oom | over_budget | preflight_failed | nan_loss | failed | invalid
     reason: str | None = None
     objective: float | None = None  # tokens/s of training
     peak_allocated_gib: float | None = None
@@ -43,6 +43,7 @@ class RunReport:
     reserved_over_preflight_gib: float | None = None
     mean_micro_batch: float | None = None  # rows per micro-batch that training took, on average
     peak_where: str | None = None  # the step and micro-batch (padded shape) training's allocated peak was on
+    saved_model: str | None = None  # where the trained model (or adapter) was saved (trainer.save_model)
     phase_seconds: dict[str, float] = field(default_factory=dict)  # start-up phases, preflight, training
 
     def to_dict(self) -> dict[str, Any]:

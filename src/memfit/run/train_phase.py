@@ -22,7 +22,8 @@ def prepare_training(ctx: RunContext) -> TrainingSetup:
     from memfit.models import build_model
     from memfit.run.signals import stop_check_callback
     from memfit.training import faults
-    from memfit.training.trainer import build_trainer, make_callback
+    from memfit.training.callback import make_callback
+    from memfit.training.trainer import build_trainer
 
     cfg = ctx.cfg
     built = build_model(cfg, ctx.tokenizer, ctx.device)
@@ -45,7 +46,9 @@ def prepare_training(ctx: RunContext) -> TrainingSetup:
     collator = CountingCollator(ctx.tokenizer, memory.pad_to_multiple_of, cfg.model.task, memory.causal_padding_mask)
     if collator.drops_padding_mask:
         log.info("memory.causal_padding_mask=false: right-padded batches attend through the causal mask alone")
-    callback = make_callback(ctx.meter, ctx.tracker, collator, cfg.trainer.max_train_tokens)
+    # on CPU nothing caps host memory at the budget: the callback stops a run whose RSS passes it
+    host_budget = cfg.budget.gib if ctx.device == "cpu" and cfg.budget.enforce else None
+    callback = make_callback(ctx.meter, ctx.tracker, collator, cfg.trainer.max_train_tokens, host_budget)
     callbacks = [callback, stop_check_callback(), *faults.callbacks_for(run_name(cfg)), *ctx.callbacks]
     ready = {split: model_columns(ds) for split, ds in ctx.prepared.datasets.items()}
     args = training_arguments(cfg, ctx.device, str(checkpoint_dir(cfg)), has_eval="validation" in ready)

@@ -75,7 +75,7 @@ MONOTONE_IN_MEMORY = (
     "memory.eval_batch_size",
 )
 
-INFEASIBLE_STATUSES = ("preflight_failed", "oom")
+INFEASIBLE_STATUSES = ("preflight_failed", "oom", "over_budget")
 
 
 def dominated_by(params: dict[str, Any], finished: list[Any]) -> Any | None:

@@ -187,6 +187,7 @@ class BudgetSweep:
         if self.settings.budgets:
             overrides.append(f"budget.gib={self.budget_gib:g}")
         overrides.append(f"tracking.run_name=trial-{trial.number}")
+        overrides.append("trainer.save_model=none")  # a trial measures; the preset it exports trains the model
         if parent is not None:
             overrides.append(f"tracking.parent_run_id={parent.run_id}")
             overrides.append(f"tracking.run_id={trial.user_attrs['run_id']}")
