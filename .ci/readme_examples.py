@@ -49,11 +49,11 @@ def train(prefix: str, out: Path, cwd: Path = ROOT) -> list:
 
 
 def budget_search_then_train_from_its_preset(work: Path) -> None:
-    presets = f"hydra.sweeper.preset_dir={work}/presets/preset"
-    said = run("python train.py -m sweep=budget", work, presets)
-    assert "best feasible trial" in said, said[-3000:]
+    work.mkdir(parents=True)
+    said = run("python train.py -m sweep=budget", work, cwd=work)  # launched there: its sweeps/preset/ is work's
+    assert "best feasible trial" in said and "train from it with: python train.py model=tiny_seq2seq" in said, said
     used = work / "use"
-    run("python train.py model=tiny_seq2seq +preset=", used, f"hydra.searchpath=[file://{work}/presets]")
+    run("python train.py model=tiny_seq2seq data=aclsum +preset=", used, cwd=work)
     (trained,) = finished_runs(used)
     print(f"README budget search, then its preset: batch {trained.data.params['trainer.batch_size']} trained")
 

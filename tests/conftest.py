@@ -281,7 +281,7 @@ def readme_budget_sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedPro
     and the completed process. Tests read it; none writes into it."""
     out = tmp_path_factory.mktemp("readme_sweep")
     sweep = readme_command("python train.py -m sweep=budget")[2:]
-    done = run_train_py(*sweep, f"output_dir={out}", f"hydra.sweeper.preset_dir={out}/presets/preset")
+    done = run_train_py(*sweep, f"output_dir={out}", cwd=out)  # launched there: its sweeps/preset/ is out's
     assert done.returncode == 0, done.stderr[-3000:]
     return out, done
 

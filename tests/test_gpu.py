@@ -101,6 +101,22 @@ def test_a_plain_run_on_cuda_trains_budget_shaped_batches_by_default(compose_cfg
     assert recorded.data.metrics["plan/max_batch"] >= 1
 
 
+def test_a_bf16_lora_run_on_cuda_saves_an_adapter_and_merged_model_that_load(compose_cfg):
+    from transformers import AutoModelForCausalLM
+
+    causal = [o if o != "model=tiny_seq2seq" else "model=tiny_causal" for o in GPU_RUN]
+    cfg = compose_cfg(*causal, "memory.precision=bf16", "model.lora.merge_on_save=true", "tracking=none")
+    report = run(cfg)
+    assert report.status == "ok", report.reason
+    saved = Path(report.saved_model)
+    merged = AutoModelForCausalLM.from_pretrained(saved / "merged")
+    assert merged.dtype == torch.bfloat16 and (saved / "adapter_model.safetensors").is_file()
+    ids = torch.tensor([[101, 2023, 2003, 102]])
+    with torch.no_grad():
+        # the random base is not at hand to load the adapter onto (tests/run/test_save_phase.py does that on CPU)
+        assert torch.isfinite(merged.to("cuda")(input_ids=ids.to("cuda")).logits).all()
+
+
 def test_a_resumed_budget_shaped_run_on_cuda_replays_the_plan_its_checkpoints_were_trained_with(compose_cfg):
     budget = [o for o in GPU_RUN if o not in ("trainer.batching=fixed", "trainer.max_steps=3")]
     common = [*budget, "budget.gib=8", "trainer.batch_size=8", "trainer.save_steps=1", "tracking.run_name=resumed"]

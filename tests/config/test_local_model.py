@@ -15,7 +15,8 @@ from tests.conftest import FAST, readme_command, run_train_py, save_checkpoint
 @pytest.mark.slow
 @pytest.mark.parametrize(("model", "task"), [("tiny_causal", "causal"), ("tiny_seq2seq", "seq2seq")])
 def test_a_saved_checkpoint_trains_from_its_path_alone(compose_cfg, tmp_path, caplog, model, task):
-    readme = readme_command("python train.py model=local")[2:]  # the README's command, its path made here
+    # the README's command, its path made here
+    readme = readme_command("python train.py model=local model.name_or_path=checkpoints")[2:]
     path = save_checkpoint(compose_cfg, tmp_path / "checkpoint", model)
     readme = [f"model.name_or_path={path}" if o.startswith("model.name_or_path=") else o for o in readme]
     cfg = compose_cfg(*readme, *FAST)

@@ -265,8 +265,8 @@ def test_a_preset_launched_where_no_sweep_exported_one_says_where_presets_live(t
     out = run_train_py(f"output_dir={tmp_path}", "+preset=qwen-aclsum-24gib", cwd=tmp_path, timeout=120)
     last = out.stderr.strip().splitlines()[-1]
     assert (
-        last == "memfit: error: preset=qwen-aclsum-24gib: sweeps/preset/ holds no presets yet: a budget sweep "
-        "(sweep=budget) exports them there"
+        last == "memfit: error: preset=qwen-aclsum-24gib: sweeps/preset/ holds no presets yet: run the command a "
+        "budget sweep printed last, or sweep with hydra.sweeper.export_to=sweeps/preset"
     ), last
     assert not (tmp_path / "mlflow.db").exists()
 

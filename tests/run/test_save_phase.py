@@ -12,7 +12,7 @@ from mlflow.tracking import MlflowClient
 
 from memfit.run import run
 from memfit.tracking import default_tracking_uri
-from tests.conftest import FAST, run_train_py, save_checkpoint
+from tests.conftest import FAST, readme_command, run_train_py, save_checkpoint, write_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -118,12 +118,17 @@ def test_a_hub_id_trains_from_the_cache_offline_and_an_uncached_one_is_one_line(
     hf_home = tmp_path / "hf"
     snapshot = _cache_a_hub_model(compose_cfg, hf_home, "memfit-test/tiny-causal")
     env = {"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
+    rows = [{"prompt": f"Question {i}: what is " + "word " * 8, "response": "An answer " * 4} for i in range(12)]
+    data = write_jsonl(tmp_path / "my.jsonl", rows)
+    swap = {"model.name_or_path": "memfit-test/tiny-causal", "data.path": str(data), "budget.gib": "4"}
+    readme = readme_command("python train.py model=local model.name_or_path=Qwen/")[2:]  # the README's, on a tiny id
+    readme = [f"{o.split('=')[0]}={swap[o.split('=')[0]]}" if o.split("=")[0] in swap else o for o in readme]
     out = run_train_py(
-        f"output_dir={tmp_path / 'out'}", "model=local", "model.name_or_path=memfit-test/tiny-causal", *FAST,
-        "trainer.max_steps=1", "tracking=none", fresh=True, extra_env=env, timeout=600,
+        *readme, f"output_dir={tmp_path / 'out'}", *FAST, "trainer.max_steps=1", "tracking=none", fresh=True,
+        extra_env=env, timeout=600,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
-    saved = tmp_path / "out" / "models" / "local-tiny-causal-balanced-b2"
+    saved = tmp_path / "out" / "models" / "local-tiny-causal-balanced-b2-4GiB"
     assert "load it with PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained('memfit-test/tiny-causal')" in (
         out.stderr + out.stdout
     )
@@ -141,3 +146,21 @@ def test_a_hub_id_trains_from_the_cache_offline_and_an_uncached_one_is_one_line(
             f"is not in the cache ({hf_home / 'hub'}) while HF_HUB_OFFLINE=1 is set: download it"
         )
     )
+
+
+def test_a_killed_runs_last_checkpoint_is_saved_by_resuming_it_to_its_own_step(compose_cfg):
+    """A run that stopped after checkpoint-2 (here: trained 2 steps, saving nothing): resumed with max_steps at that
+    step, it trains no further and saves the checkpoint's model as a finished run would have."""
+    from safetensors.torch import load_file
+
+    common = ("model=tiny_seq2seq", *FAST, "trainer.save_steps=2", "trainer.max_steps=2", "tracking=none")
+    first = run(compose_cfg(*common, "trainer.save_model=none"))
+    assert first.status == "ok" and first.saved_model is None
+    exported = run(compose_cfg(*common, "trainer.resume=true"))
+    assert exported.status == "ok" and exported.steps == 2
+    checkpoint = Path(compose_cfg().output_dir) / "checkpoints" / "tiny_seq2seq-balanced-b2" / "checkpoint-2"
+    saved, trained = (
+        load_file(Path(exported.saved_model) / "model.safetensors"),
+        load_file(checkpoint / "model.safetensors"),
+    )
+    assert saved.keys() == trained.keys() and all(torch.equal(saved[k], trained[k]) for k in saved)

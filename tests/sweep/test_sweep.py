@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import urllib.request
 from pathlib import Path
 
@@ -281,13 +282,14 @@ def test_the_readme_budget_sweep_finds_and_exports_a_preset(readme_budget_sweep,
         if r.info.status == "FAILED"
     )
 
-    preset = swept / "presets" / "preset" / "tiny_seq2seq-aclsum-1.7gib.yaml"
-    assert preset.read_text().startswith(
-        "# @package _global_"
-    )  # resuming: see test_faults_in_trials_and_a_killed_sweeper_lose_nothing
-
-    use = readme_command("python train.py model=tiny_seq2seq +preset=")[2:]
-    trained = run_train_py(*use, f"hydra.searchpath=[file://{swept}/presets]", f"output_dir={tmp_path}/use")
+    preset = swept / "sweeps" / "preset" / "tiny_seq2seq-aclsum-1.7gib.yaml"  # export_to, under the launch dir
+    (beside,) = swept.glob("multirun/*/*/preset/tiny_seq2seq-aclsum-1.7gib.yaml")  # and beside the sweep's outputs
+    assert preset.read_text() == beside.read_text() and preset.read_text().startswith("# @package _global_")
+    # the closing line's command, as printed, is the README's (which adds a step limit) and trains from the preset
+    printed = re.search(r"train from it with: (python train\.py [^)]+)\)", first.stdout + first.stderr).group(1)
+    use = readme_command("python train.py model=tiny_seq2seq data=aclsum +preset=")
+    assert shlex.split(printed) + ["trainer.max_steps=2"] == use and f"# Use: {printed}\n" in preset.read_text()
+    trained = run_train_py(*use[2:], f"output_dir={tmp_path}/use", cwd=swept)
     assert trained.returncode == 0, trained.stderr[-2000:]
     exported = OmegaConf.load(preset)
     client = MlflowClient(default_tracking_uri(str(tmp_path / "use")))

@@ -50,7 +50,10 @@ class MemfitSweeperConf:
     pin_cores: bool = False
     poll_s: float = 5
     budgets: list[float] | None = None  # a budget ladder: one study per budget, smallest first, measurements reused
-    preset_dir: str = "sweeps/preset"  # where the best feasible configuration is exported (relative to launch dir)
+    # where the best feasible configuration is written: null, the sweep directory's preset/ (relative: to the launch
+    # directory); export_to: also copied there, e.g. sweeps/preset, where +preset=<name> finds it from the launch dir
+    preset_dir: str | None = None
+    export_to: str | None = None
     params: dict[str, str] = field(default_factory=dict)  # search space in Hydra override syntax
 
 

@@ -63,7 +63,10 @@ def _unknown_option(err: Exception) -> str | None:
     group, option = missing.groups()
     options = re.findall(r"^\t(\S+)$", text.split(f"Available options in '{group}':", 1)[-1], re.M)
     if not options and group == "preset":
-        return f"preset={option}: sweeps/preset/ holds no presets yet: a budget sweep (sweep=budget) exports them there"
+        return (
+            f"preset={option}: sweeps/preset/ holds no presets yet: run the command a budget sweep printed last, or "
+            "sweep with hydra.sweeper.export_to=sweeps/preset"
+        )
     near = difflib.get_close_matches(option, options, n=1, cutoff=0.5)
     hint = f"did you mean {group}={near[0]}? " if near else ""
     return f"{group}={option} is not an option of {group}: {hint}(options: {', '.join(options)})"

@@ -202,7 +202,9 @@ class TrainerConfig:
     predict_with_generate: bool = False
     device: str = "auto"
     dataloader_num_workers: int = 0
-    resume: bool = False  # continue from the last checkpoint of this run name (and its MLflow run), if there is one
+    # true: continue from the last checkpoint of this run name (and its MLflow run), if the same run wrote it;
+    # force: whatever run wrote it (memfit.run.identity)
+    resume: Any = False
     batching: str = "auto"  # auto | fixed | budget: micro-batches shaped by the budget (memfit.memory.plan)
     micro_batch_fill: float = 1.0  # budget batching: share of the limit a micro-batch's predicted peak may use
     max_micro_batch: int | None = None  # budget batching: the most rows in one micro-batch (null: the step's samples)

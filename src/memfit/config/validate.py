@@ -131,6 +131,8 @@ def _validate_trainer(cfg: DictConfig, problems: list[str]) -> None:
         problems.append("trainer.predict_with_generate=true is for seq2seq models: set it to false for a causal LM")
     if t.max_steps == 0 or (t.max_steps < 0 and t.num_train_epochs <= 0):
         problems.append("trainer.max_steps/num_train_epochs give no training: set trainer.max_steps>0 or epochs>0")
+    if t.resume not in (True, False, "force"):
+        problems.append(f"trainer.resume={t.resume} is not one of true, false, force: set trainer.resume=true")
     _validate_saving(cfg, problems)
     _validate_batching(cfg, problems)
 
@@ -292,8 +294,8 @@ def _unknown_keys(cfg: DictConfig) -> list[str]:
     for key in sorted(set(cfg.keys()) - known):
         if key == "preset":
             problems.append(
-                f"preset={cfg.preset}: no sweeps/preset/ under {Path.cwd()}: launch from the directory the sweep "
-                "ran in (it exports presets to its sweeps/preset/), or add hydra.searchpath=[file://<that dir>/sweeps]"
+                f"preset={cfg.preset}: no sweeps/preset/ under {Path.cwd()}: run the command the sweep printed last "
+                "(--config-dir <its sweep directory>), or launch where hydra.sweeper.export_to=sweeps/preset put it"
             )
         else:
             problems.append(f"{key} is not a config key (python train.py --cfg job lists them): remove +{key}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger("memfit")
 
@@ -77,11 +78,62 @@ def model_dir(cfg: DictConfig) -> Path:
     return Path(cfg.output_dir) / "models" / run_name(cfg)
 
 
+# what makes a run the one its checkpoints continue: the model, the data, the policy and what shapes its batches
+IDENTITY_KEYS = (
+    "model.name", "model.name_or_path", "model.revision", "model.lora.enabled", "model.lora.r",
+    "model.lora.target_modules", "data.name", "data.format", "data.path", "data.validation_path", "data.hub_id",
+    "data.hub_config", "data.source_column", "data.target_column", "data.text_column", "data.style",
+    "data.source_sections", "data.targets", "data.max_train_samples", "memory.name", "memory.max_source_length",
+    "memory.max_label_length", "trainer.batch_size", "trainer.gradient_accumulation_steps", "trainer.batching",
+    "trainer.effective_batch",
+)  # fmt: skip
+FINGERPRINT_BYTES = 1 << 20  # a data file's fingerprint reads its size and its first and last MiB
+
+
+def file_fingerprint(path: str) -> str:
+    """A data file's contents in 16 hex digits: its size, first and last MiB (whole files read in milliseconds)."""
+    file = Path(path)
+    digest = hashlib.sha256(str(file.stat().st_size).encode())
+    with file.open("rb") as fh:
+        digest.update(fh.read(FINGERPRINT_BYTES))
+        fh.seek(max(0, file.stat().st_size - FINGERPRINT_BYTES))
+        digest.update(fh.read(FINGERPRINT_BYTES))
+    return digest.hexdigest()[:16]
+
+
+def run_identity(cfg: DictConfig) -> dict[str, str]:
+    """The settings a resumed run must share with its checkpoints, as text, and the data files' fingerprints."""
+    identity = {key: str(OmegaConf.select(cfg, key)) for key in IDENTITY_KEYS}
+    for key in ("data.path", "data.validation_path"):
+        path = OmegaConf.select(cfg, key)
+        if path and Path(path).is_file():
+            identity[f"{key} contents"] = file_fingerprint(path)
+    return identity
+
+
+def _identity_problem(cfg: DictConfig, recorded: dict[str, str] | None) -> str | None:
+    """Why this run is not the one its checkpoints trained (one line), or None."""
+    if recorded is None or cfg.trainer.resume == "force":
+        return None
+    now = run_identity(cfg)
+    changed = [f"{key} {recorded[key]} -> {now.get(key)}" for key in recorded if recorded[key] != now.get(key)]
+    if not changed:
+        return None
+    return (
+        f"trainer.resume=true: the checkpoints under {checkpoint_dir(cfg)} belong to another run ({'; '.join(changed)}"
+        "): give this run a name of its own (tracking.run_name=...) or continue them anyway with trainer.resume=force"
+    )
+
+
 def find_resume_point(cfg: DictConfig) -> ResumePoint:
-    """With trainer.resume=true: the last checkpoint of this run name and its MLflow run, if there is one."""
+    """With trainer.resume=true: the last checkpoint of this run name and its MLflow run, if there is one. Raises
+    ConfigError where those checkpoints were trained by another run (other data, model or batches), unless
+    trainer.resume=force."""
     if not cfg.trainer.resume:
         return ResumePoint()
     from transformers.trainer_utils import get_last_checkpoint
+
+    from memfit.config import ConfigError
 
     checkpoint = get_last_checkpoint(str(checkpoint_dir(cfg))) if checkpoint_dir(cfg).is_dir() else None
     if not checkpoint:
@@ -89,17 +141,24 @@ def find_resume_point(cfg: DictConfig) -> ResumePoint:
     if not cfg.trainer.save_steps:
         log.warning("trainer.resume=true, but trainer.save_steps=null writes no checkpoint: set e.g. save_steps=200")
     marker = checkpoint_dir(cfg) / "memfit_run.json"
-    run_id = json.loads(marker.read_text()).get("run_id") if marker.exists() and checkpoint else None
+    recorded = json.loads(marker.read_text()) if marker.exists() and checkpoint else {}
+    if problem := _identity_problem(cfg, recorded.get("identity")):
+        raise ConfigError([problem])
+    if checkpoint and recorded and "identity" not in recorded:
+        log.warning("%s records no run identity (an older memfit): resuming without checking it", marker)
+    run_id = recorded.get("run_id")
     if checkpoint:
         log.info("resuming from %s (MLflow run %s)", checkpoint, run_id or "new")
     return ResumePoint(checkpoint, run_id)
 
 
 def remember_run(cfg: DictConfig, tracker: Any, resume: ResumePoint) -> None:
-    """Checkpointed runs note their MLflow run beside the checkpoints, so that a resume continues it."""
+    """Checkpointed runs note their MLflow run and identity beside the checkpoints, so that a resume continues the
+    run, and only the run, that wrote them (after trainer.resume=force, this one's)."""
     if tracker.run_id is None or not cfg.trainer.save_steps:
         return
     checkpoint_dir(cfg).mkdir(parents=True, exist_ok=True)
-    (checkpoint_dir(cfg) / "memfit_run.json").write_text(json.dumps({"run_id": tracker.run_id}))
+    marker = {"run_id": tracker.run_id, "identity": run_identity(cfg)}
+    (checkpoint_dir(cfg) / "memfit_run.json").write_text(json.dumps(marker, indent=1))
     if resume.checkpoint:
         tracker.set_tags({"memfit.resumed_from": Path(resume.checkpoint).name})

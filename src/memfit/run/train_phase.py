@@ -122,11 +122,30 @@ def _optimizer_name(trainer: Any) -> str:
     return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}{fused}"
 
 
+def _finished_checkpoint(ctx: RunContext) -> int | None:
+    """The step of the checkpoint this run resumes from where it already reached trainer.max_steps, else None."""
+    checkpoint, max_steps = ctx.resume.checkpoint, ctx.cfg.trainer.max_steps
+    step = int(checkpoint.rsplit("-", 1)[1]) if checkpoint else 0
+    return step if checkpoint and 0 < max_steps <= step else None
+
+
+def _load_finished(ctx: RunContext, setup: TrainingSetup, step: int) -> RunReport:
+    """A run resumed at a checkpoint that reached max_steps trains nothing: Trainer.train would take one more step
+    before its stop check (transformers 5.25), so the checkpoint's weights are loaded as train() loads them, and
+    the run saves them (how a killed run's last checkpoint is exported)."""
+    setup.trainer._load_from_checkpoint(ctx.resume.checkpoint)  # what Trainer.train(resume_from_checkpoint) calls
+    log.info("%s reached trainer.max_steps=%d: nothing left to train", ctx.resume.checkpoint, ctx.cfg.trainer.max_steps)
+    return RunReport(status="ok", steps=step)
+
+
 def train(ctx: RunContext, setup: TrainingSetup) -> RunReport:
     """Train with the run's Trainer; record the summary metrics and return them as the report."""
     import torch
 
     from memfit.training.trainer import train
+
+    if (finished := _finished_checkpoint(ctx)) is not None:
+        return _load_finished(ctx, setup, finished)
 
     if ctx.device == "cuda" and ctx.cfg.forensics.memory_history:
         torch.cuda.memory._record_memory_history(max_entries=ctx.cfg.forensics.max_entries)  # no public API yet

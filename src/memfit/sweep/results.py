@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +33,23 @@ class SweepView:
     budget_gib: float | None
     fixed: tuple[str, ...]  # the fixed overrides the trials ran with, which the preset carries
     effective_batch: int | None
-    preset_dir: str
+    preset_dir: str | None  # null: the sweep directory's preset/
+    export_to: str | None = None  # also copied here (sweeps/preset: +preset=<name> from the launch directory)
     tie_band: float | None = None  # hydra.sweeper.tie_band (sweep.ties)
 
     @classmethod
     def of(cls, config: DictConfig, objectives: Any, budget_gib: float | None, fixed: Any, s: Any) -> SweepView:
         """The view of a study run with the sweeper settings `s` (hydra.sweeper)."""
-        return cls(config, tuple(objectives), budget_gib, tuple(fixed), s.effective_batch, s.preset_dir, s.tie_band)
+        return cls(
+            config,
+            tuple(objectives),
+            budget_gib,
+            tuple(fixed),
+            s.effective_batch,
+            s.preset_dir,
+            s.export_to,
+            s.tie_band,
+        )
 
 
 def _dominates(a: list[float], b: list[float], dirs: list[str]) -> bool:
@@ -108,11 +119,11 @@ def near_limit_warning(best: Any, feasible: list[Any], dirs: list[str]) -> str |
     return text
 
 
-def _log_best(best: Any, names: list[str], preset: Path, results_path: Path, front: int, why: str) -> None:
+def _log_best(best: Any, names: list[str], preset: Preset, results_path: Path, front: int, why: str) -> None:
     """The line a user reads at the end of a sweep."""
     log.info(
         "best feasible trial %d: %s = %s, worst-case peak %.2f GiB, %.0f tokens/s, label coverage %.1f%%, "
-        "params %s%s; preset written to %s (load it with: python train.py +preset=%s)%s",
+        "params %s%s; preset written to %s (train from it with: %s)%s",
         best.number,
         names[0],
         f"{best.values[0]:.4g}",
@@ -121,8 +132,8 @@ def _log_best(best: Any, names: list[str], preset: Path, results_path: Path, fro
         100 * (best.user_attrs.get("label_coverage") or 0),
         best.params,
         why,
-        preset,
-        preset.stem,
+        preset.path,
+        preset.use,
         f"; Pareto front of {front} trials in {results_path}" if len(names) > 1 else "",
     )
 
@@ -162,7 +173,8 @@ def summarise(study: Any, view: SweepView, parent: Any) -> dict[str, Any] | None
         "tokens_per_s": best.user_attrs.get("tokens_per_s"),
         "epoch_tokens_per_s": best.user_attrs.get("epoch_tokens_per_s"),
         "label_coverage": best.user_attrs.get("label_coverage"),
-        "preset": str(preset),
+        "preset": str(preset.path),
+        "use": preset.use,
     }
     if len(names) > 1:
         summary["pareto_front"] = [_describe(t, names) for t in front]
@@ -176,7 +188,7 @@ def summarise(study: Any, view: SweepView, parent: Any) -> dict[str, Any] | None
             },
             step=0,
         )
-        parent.set_tags({"memfit.best_trial": str(best.number), "memfit.preset": str(preset)})
+        parent.set_tags({"memfit.best_trial": str(best.number), "memfit.preset": str(preset.path)})
         parent.log_artifact(str(results_path))
     _log_best(best, names, preset, results_path, len(front), chosen.describe())
     if warning := near_limit_warning(best, feasible, dirs):
@@ -223,9 +235,41 @@ def preset_settings(fixed: list[str]) -> tuple[dict[str, Any], list[str]]:
     return settings, groups
 
 
-def export_preset(study: Any, best: Any, view: SweepView) -> Path:
+@dataclass(frozen=True)
+class Preset:
+    path: Path  # where it was written (beside the sweep's outputs)
+    use: str  # the command that trains from it, as printed
+
+
+def _write_kept(path: Path, text: str) -> None:
+    """Write `text` at `path`; a different file already there is kept under its date, and said."""
+    if path.exists() and path.read_text() != text:
+        stamp = datetime.fromtimestamp(path.stat().st_mtime).strftime("%Y%m%d-%H%M%S")
+        kept = path.with_name(f"{path.stem}-{stamp}{path.suffix}")
+        path.rename(kept)
+        log.warning("%s held another preset: kept as %s", path, kept.name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def use_command(path: Path, groups: list[str], cfg: Any) -> str:
+    """`python train.py <model, data> +preset=<name>`: from the launch directory where the preset is in its
+    sweeps/preset/ (train.yaml's search path), else with --config-dir naming where it is."""
+    root = Path(cfg.hydra.runtime.cwd)
+    named = " ".join(_use_groups(groups, cfg))
+    if path.parent.resolve() == (root / "sweeps" / "preset").resolve():
+        return f"python train.py {named} +preset={path.stem}"
+    return f"python train.py --config-dir {path.parent.parent} {named} +{path.parent.name}={path.stem}"
+
+
+def _under(root: Path, directory: str) -> Path:
+    return Path(directory) if Path(directory).is_absolute() else root / directory
+
+
+def export_preset(study: Any, best: Any, view: SweepView) -> Preset:
     """`# @package _global_` YAML with the settings the best trial ran with: the fixed memory settings of the
-    command line, the searched params and the accumulation they imply, and the budget; for +preset=<name>."""
+    command line, the searched params and the accumulation they imply, and the budget; for +preset=<name>. Written
+    to the sweep directory's preset/ (or hydra.sweeper.preset_dir), and copied to hydra.sweeper.export_to where set."""
     cfg = view.config
     settings, groups = preset_settings(list(view.fixed))
     settings.update(best.params)
@@ -235,28 +279,29 @@ def export_preset(study: Any, best: Any, view: SweepView) -> Path:
     for key, value in settings.items():
         OmegaConf.update(node, key, value, force_add=True)
     root = Path(cfg.hydra.runtime.cwd)
-    directory = Path(view.preset_dir)
-    directory = directory if directory.is_absolute() else root / directory
-    directory.mkdir(parents=True, exist_ok=True)
     budget = f"{view.budget_gib:g}gib" if view.budget_gib else "nobudget"
-    path = directory / f"{cfg.model.name}-{cfg.data.name}-{budget}.yaml"
+    name = f"{cfg.model.name}-{cfg.data.name}-{budget}.yaml"
+    path = _under(root, view.preset_dir or f"{cfg.hydra.sweep.dir}/preset") / name
+    exported = _under(root, view.export_to) / name if view.export_to else None
+    use = use_command(exported or path, groups, cfg)
     header = (
         f"# @package _global_\n# Best feasible configuration of study {study.study_name} (trial {best.number}, "
         f"{view.objectives[0]} {best.values[0]:.4g}, worst-case peak "
         f"{best.user_attrs.get('worst_case_peak_gib') or float('nan'):.2f} GiB).\n"
-        f"# Use: python train.py {' '.join(_use_groups(groups, cfg))} +preset={path.stem}\n"
+        f"# Use: {use}\n"
     )
-    path.write_text(header + OmegaConf.to_yaml(node))
-    return path
+    text = header + OmegaConf.to_yaml(node)
+    _write_kept(path, text)
+    if exported is not None:
+        _write_kept(exported, text)
+    return Preset(path, use)
 
 
 def _use_groups(groups: list[str], cfg: Any) -> list[str]:
-    named = {g.split("=", 1)[0] for g in groups}
-    return (
-        [f"model={cfg.model.name}"] * ("model" not in named)
-        + [f"data={cfg.data.name}"] * ("data" not in named)
-        + groups
-    )
+    """model=..., data=..., then the rest of the groups and data settings the sweep ran with."""
+    named = {g.split("=", 1)[0]: g for g in groups}
+    first = [named.get("model", f"model={cfg.model.name}"), named.get("data", f"data={cfg.data.name}")]
+    return first + [g for g in groups if g.split("=", 1)[0] not in ("model", "data")]
 
 
 def ladder_table(
