@@ -71,6 +71,30 @@ def check_tracking_uri(tracking: DictConfig) -> list[str]:
     return []
 
 
+SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+def check_sqlite_store(cfg: DictConfig) -> list[str]:
+    """A sqlite tracking store that exists (tracking.uri's, or the default under output_dir) must be a SQLite
+    database: MLflow would fail on another file with a traceback after the run started."""
+    if cfg.tracking.backend == "none":
+        return []
+    from memfit.tracking import default_tracking_uri
+
+    uri = cfg.tracking.uri or default_tracking_uri(cfg.output_dir)
+    path = Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
+    if path is None or not path.is_file() or path.stat().st_size == 0:
+        return []
+    try:
+        with path.open("rb") as fh:
+            header = fh.read(len(SQLITE_HEADER))
+    except OSError as err:
+        return [f"tracking.uri={uri}: the store cannot be read ({err.strerror}): fix its permissions or use another"]
+    if header != SQLITE_HEADER:
+        return [f"tracking.uri={uri}: {path} is not a SQLite database: move it away or point tracking.uri elsewhere"]
+    return []
+
+
 def check_tracking_server(cfg: DictConfig) -> list[str]:
     """An http(s) tracking URI must answer now, not fail after hours of training (MLflow retries for minutes)."""
     uri = cfg.tracking.uri or ""
@@ -129,7 +153,7 @@ def check_budget(cfg: DictConfig, device: str, device_bytes: int) -> list[str]:
 def check_before_run(cfg: DictConfig) -> None:
     """The checks that need no device: raise ConfigError with every problem."""
     problems = check_output_dir(cfg.output_dir, cfg.min_free_disk_gib)
-    problems += check_tracking_uri(cfg.tracking) or check_tracking_server(cfg)
+    problems += check_tracking_uri(cfg.tracking) or check_tracking_server(cfg) or check_sqlite_store(cfg)
     problems += check_lora_targets(cfg)
     if problems:
         raise ConfigError(problems)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -51,10 +52,17 @@ def test_a_checkpoint_directory_with_a_problem_stops_with_one_line_before_any_mo
     for name in ("tokenizer.json", "vocab.txt"):
         (no_tokenizer / name).unlink(missing_ok=True)
     small = save_checkpoint(compose_cfg, tmp_path / "small", "tiny_causal", vocab=1000)
+    not_json = shutil.copytree(good, tmp_path / "not_json")
+    (not_json / "config.json").write_text("{model_type: qwen2")
+    encoder = shutil.copytree(good, tmp_path / "encoder")  # an encoder's checkpoint has no LM head
+    config = json.loads((encoder / "config.json").read_text())
+    (encoder / "config.json").write_text(json.dumps({**config, "architectures": ["BertModel"]}))
     cases = [
         (no_config, "has no config.json"),
         (no_tokenizer, "has no tokenizer files"),
         (small, "its vocabulary has 1000 entries but its tokenizer"),
+        (not_json, "its config.json is not a JSON object: save the checkpoint again"),
+        (encoder, "is a BertModel checkpoint, with no language-model head for a causal LM"),
     ]
     path, said = cases[0]  # train.py: exit 2, nothing recorded; the others raise the same lines from run()
     out = run_train_py("model=local", f"model.name_or_path={path}", f"output_dir={tmp_path / 'out'}")

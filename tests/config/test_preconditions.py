@@ -96,6 +96,10 @@ def test_empty_and_non_utf8_files_are_named(tmp_path, content, expected):
         (["model=tiny_causal", "budget.gib=100000"], "memfit: error: budget.gib=100000 is larger than"),
         (["tracking.uri=file://{blocked}/mlruns"], "memfit: error: tracking.uri=file://{blocked}/mlruns is MLflow's"),
         (["tracking.uri=sqlite:////no/such/dir/m.db"], "memfit: error: tracking.uri=sqlite:////no/such/dir/m.db: the"),
+        (
+            ["tracking.uri=sqlite:///{blocked}"],
+            "memfit: error: tracking.uri=sqlite:///{blocked}: {blocked} is not a SQLite",
+        ),
     ],
 )
 def test_train_py_stops_with_one_line_before_anything_is_recorded(tmp_path, overrides, expected):

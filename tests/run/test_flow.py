@@ -268,3 +268,12 @@ def test_on_cpu_training_past_what_the_preflight_proved_warns_and_past_the_budge
     assert report.reason.startswith("over_budget: host memory (RSS) reached") and "at step 2" in report.reason
     assert runs[0].info.status == "FAILED" and runs[0].data.tags["memfit.reason"] == report.reason
     assert not (Path(cfg.output_dir) / "models").exists()
+
+
+def test_a_batch_larger_than_the_data_is_clipped_to_it_and_said(compose_cfg, caplog):
+    cfg = compose_cfg("model=tiny_seq2seq", *FAST, "trainer.batch_size=100000", "trainer.max_steps=1", "tracking=none")
+    with caplog.at_level("INFO", logger="memfit"):
+        report = run(cfg)
+    assert report.status == "ok" and report.steps == 1
+    rows = report.worst_case_shape[0]  # the preflight's worst batch: the samples there are, not 100,000 rows
+    assert 1 < rows <= 24 and f"training samples: every batch holds at most {rows} rows" in caplog.text

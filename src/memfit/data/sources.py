@@ -69,17 +69,41 @@ def _to_pairs(records: list[dict[str, Any]], data: DictConfig, task: str, where:
         from memfit.data.chat import record_turns
 
         return [{"messages": record_turns(rec, data.style, f"{where} record {i + 1}")} for i, rec in enumerate(records)]
+    text_only = task == "causal" and bool(data.text_column)
+    target_column = data.text_column if text_only else data.target_column
     pairs = []
     for index, rec in enumerate(records):
-        if task == "causal" and data.text_column:
-            source, target = "", rec.get(data.text_column)
-        else:
-            source, target = rec.get(data.source_column), rec.get(data.target_column)
-        if target is None or not str(target).strip():
-            column = data.text_column if (task == "causal" and data.text_column) else data.target_column
-            raise DataError(f"{where} record {index + 1} has an empty {column!r}: remove it or fill it in")
-        pairs.append({"source": "" if source is None else str(source), "target": str(target)})
+        if not isinstance(rec, dict):
+            raise DataError(
+                f"{where} record {index + 1} is {_type_name(rec)}, not an object of fields: write one JSON object "
+                "per line"
+            )
+        source = None if text_only else _text(rec, data.source_column, where, index)
+        target = _text(rec, target_column, where, index)
+        if target is None or not target.strip():
+            raise DataError(f"{where} record {index + 1} has an empty {target_column!r}: remove it or fill it in")
+        pairs.append({"source": source or "", "target": target})
     return pairs
+
+
+def _type_name(value: Any) -> str:
+    """'a list', 'an object': a JSON value's type as the error says it."""
+    return {list: "a list", dict: "an object", bool: "a boolean", int: "a number", float: "a number"}.get(
+        type(value), f"a {type(value).__name__}"
+    )
+
+
+def _text(record: dict[str, Any], column: str, where: str, index: int) -> str | None:
+    """The record's field as text; None where it is absent or null. Any other type is refused: a list or a number
+    written as its Python text would train on brackets and quotes without a word."""
+    value = record.get(column)
+    if value is None or isinstance(value, str):
+        return value
+    fix = "join its parts into one string" if isinstance(value, list) else "write it as a string"
+    raise DataError(
+        f"{where} record {index + 1} field {column!r} is {_type_name(value)}, not text: {fix} (or set "
+        "data.source_column/data.target_column to a text field)"
+    )
 
 
 def _hub_split(data: DictConfig, task: str, split: str) -> list[dict[str, str]] | None:

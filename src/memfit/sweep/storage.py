@@ -4,6 +4,7 @@ RDBStorage's heartbeat, `fail_stale_trials` and its stale-trial callback."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import threading
@@ -64,12 +65,32 @@ def worker_seed(settings: DictConfig) -> int | None:
     return zlib.crc32(f"{settings.seed}:{HOST}:{os.getpid()}".encode())
 
 
+# PostgreSQL drivers SQLAlchemy knows, the one it assumes for a bare postgresql:// first (2.1: psycopg 3)
+POSTGRES_DRIVERS = (("psycopg", "postgresql+psycopg"), ("psycopg2", "postgresql+psycopg2"))
+
+
+def with_installed_driver(url: str) -> str:
+    """A postgresql:// URL names no driver, and SQLAlchemy 2.1 takes it for psycopg 3: it gets the driver that is
+    installed (memfit's postgres extra installs psycopg2); none installed is one line. Other URLs are as given."""
+    scheme, sep, rest = url.partition("://")
+    if scheme not in ("postgresql", "postgres") or not sep:
+        return url
+    for module, dialect in POSTGRES_DRIVERS:
+        if importlib.util.find_spec(module) is not None:
+            return f"{dialect}://{rest}"
+    raise SweepConfigError(
+        "hydra.sweeper.storage is a PostgreSQL URL, but no PostgreSQL driver is installed: pip install "
+        "'memfit[postgres]' (psycopg2) or psycopg"
+    )
+
+
 def _storage(url: str, heartbeat_s: float | None, on_stale: Callable[[Any, Any], None]) -> Any:
     """With a heartbeat, a trial whose worker dies (a killed process, a lost machine) is failed by any other worker
     once its heartbeat is `grace` seconds old, and `on_stale` is told. On sqlite a write waits up to a minute for
     another process's lock (sqlite retries it), not the driver's default 5 s."""
     from optuna.storages import RDBStorage
 
+    url = with_installed_driver(url)
     engine = {"connect_args": {"timeout": 60}} if url.startswith("sqlite:") else None
     if not heartbeat_s:
         return RDBStorage(url, engine_kwargs=engine)
