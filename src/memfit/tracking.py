@@ -112,6 +112,8 @@ class MlflowTracker:
         if run_id:  # continue a run someone created (the sweeper, or an interrupted run being resumed)
             self.run_id = run_id
             self.client.update_run(run_id, status="RUNNING", name=run_name)
+            if "memfit.reason" in self.client.get_run(run_id).data.tags:  # why it stopped before: no longer so
+                self.client.delete_tag(run_id, "memfit.reason")
             self.set_tags(tags)
         else:
             experiment_id = self._experiment_id(experiment, artifact_location)

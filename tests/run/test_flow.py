@@ -229,6 +229,7 @@ def test_sigterm_ends_the_run_killed_with_its_metrics_and_it_resumes(tmp_path, m
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     client, (run,) = _runs(tmp_path)
     assert run.info.status == "FINISHED" and run.data.tags["memfit.resumed_from"] == "checkpoint-2"
+    assert "memfit.reason" not in run.data.tags  # the stop it recovered from is no longer why it ended
 
 
 def _host_rss_gib() -> float:

@@ -24,12 +24,17 @@ def test_resume_without_a_checkpoint_starts_at_step_0_and_says_so(compose_cfg, c
 
 def test_resume_finds_the_last_checkpoint_and_its_mlflow_run(compose_cfg, caplog):
     cfg = compose_cfg("model=tiny_seq2seq", "trainer.resume=true", "trainer.save_steps=2")
-    for step in (2, 4):
+    for step in (2, 4, 6):
         (checkpoint_dir(cfg) / f"checkpoint-{step}").mkdir(parents=True)
+        if step < 6:  # checkpoint-6 was cut short (a full disk): Trainer writes its state last
+            (checkpoint_dir(cfg) / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
     (checkpoint_dir(cfg) / "memfit_run.json").write_text('{"run_id": "abc"}')
     with caplog.at_level(logging.INFO, logger="memfit"):
         point = find_resume_point(cfg)
     assert point == ResumePoint(str(checkpoint_dir(cfg) / "checkpoint-4"), "abc")
+    assert (
+        "checkpoint-6 was not written to the end (no trainer_state.json): resuming from an earlier one" in caplog.text
+    )
     assert "save_steps" not in caplog.text
 
 
@@ -38,6 +43,7 @@ def _checkpointed(cfg, identity_of) -> None:
     from memfit.run.identity import run_identity
 
     (checkpoint_dir(cfg) / "checkpoint-2").mkdir(parents=True)
+    (checkpoint_dir(cfg) / "checkpoint-2" / "trainer_state.json").write_text("{}")
     marker = {"run_id": "abc", "identity": run_identity(identity_of)}
     (checkpoint_dir(cfg) / "memfit_run.json").write_text(json.dumps(marker))
 

@@ -125,17 +125,31 @@ def _identity_problem(cfg: DictConfig, recorded: dict[str, str] | None) -> str |
     )
 
 
+COMPLETE_MARK = "trainer_state.json"  # the file Trainer writes last into a checkpoint
+
+
+def last_complete_checkpoint(directory: Path) -> str | None:
+    """The checkpoint-N of highest N that Trainer finished writing; later ones it did not finish (a full disk, a
+    kill mid-save) are passed over, each said."""
+    if not directory.is_dir():
+        return None
+    found = [p for p in directory.glob("checkpoint-*") if p.is_dir() and p.name.split("-", 1)[1].isdigit()]
+    for checkpoint in sorted(found, key=lambda p: int(p.name.split("-", 1)[1]), reverse=True):
+        if (checkpoint / COMPLETE_MARK).is_file():
+            return str(checkpoint)
+        log.warning("%s was not written to the end (no %s): resuming from an earlier one", checkpoint, COMPLETE_MARK)
+    return None
+
+
 def find_resume_point(cfg: DictConfig) -> ResumePoint:
     """With trainer.resume=true: the last checkpoint of this run name and its MLflow run, if there is one. Raises
     ConfigError where those checkpoints were trained by another run (other data, model or batches), unless
     trainer.resume=force."""
     if not cfg.trainer.resume:
         return ResumePoint()
-    from transformers.trainer_utils import get_last_checkpoint
-
     from memfit.config import ConfigError
 
-    checkpoint = get_last_checkpoint(str(checkpoint_dir(cfg))) if checkpoint_dir(cfg).is_dir() else None
+    checkpoint = last_complete_checkpoint(checkpoint_dir(cfg))
     if not checkpoint:
         log.info("trainer.resume=true: no checkpoint under %s yet, so training starts at step 0", checkpoint_dir(cfg))
     if not cfg.trainer.save_steps:
