@@ -95,6 +95,22 @@ def check_sqlite_store(cfg: DictConfig) -> list[str]:
     return []
 
 
+def _health_request(uri: str) -> Any:
+    """GET <uri>/health, with the URL's user:password sent as HTTP basic auth (as MLflow's client sends them), not
+    left in the host name."""
+    import base64
+    import urllib.parse
+    import urllib.request
+
+    parts = urllib.parse.urlsplit(uri.rstrip("/") + "/health")
+    host = parts.hostname + (f":{parts.port}" if parts.port else "") if parts.hostname else parts.netloc
+    request = urllib.request.Request(urllib.parse.urlunsplit(parts._replace(netloc=host)))
+    if parts.username is not None:
+        secret = f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}"
+        request.add_header("Authorization", "Basic " + base64.b64encode(secret.encode()).decode())
+    return request
+
+
 def check_tracking_server(cfg: DictConfig) -> list[str]:
     """An http(s) tracking URI must answer now, not fail after hours of training (MLflow retries for minutes)."""
     uri = cfg.tracking.uri or ""
@@ -105,8 +121,9 @@ def check_tracking_server(cfg: DictConfig) -> list[str]:
 
     from memfit.tracking import mask_credentials
 
+    request = _health_request(uri)
     try:
-        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=5) as response:
+        with urllib.request.urlopen(request, timeout=5) as response:
             if response.status == 200:
                 return []
             why = f"HTTP {response.status}"
@@ -180,3 +197,27 @@ class OutputDirCheck(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._check(config)
+
+
+def mask_files(paths: list[Path]) -> None:
+    """Credentials in URLs (tracking.uri, hydra.sweeper.storage) masked in files Hydra wrote, where they appear."""
+    from memfit.tracking import mask_credentials
+
+    for path in paths:
+        if path.is_file() and (text := path.read_text()) != (masked := mask_credentials(text)):
+            path.write_text(masked)
+
+
+class CredentialMask(Callback):
+    """hydra.callbacks: Hydra writes the composed config, its own and the overrides into every job's .hydra/ (and
+    a multirun's multirun.yaml) before the job runs; a password in a URL is masked there as it is everywhere else."""
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from hydra.core.hydra_config import HydraConfig
+
+        hydra = HydraConfig.get()
+        if hydra.output_subdir is not None:
+            mask_files(sorted((Path(hydra.runtime.output_dir) / hydra.output_subdir).glob("*.yaml")))
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        mask_files([Path(config.hydra.sweep.dir) / "multirun.yaml"])

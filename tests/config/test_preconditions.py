@@ -134,3 +134,43 @@ def test_usable_tracking_uris_pass(compose_cfg, tmp_path):
     for uri in (f"sqlite:///{tmp_path}/m.db", "postgresql+psycopg2://u:p@127.0.0.1/db", "http://127.0.0.1:5000"):
         assert check_tracking_uri(compose_cfg(f"tracking.uri={uri}").tracking) == []
     assert check_tracking_uri(compose_cfg("tracking=none", "tracking.uri=file:///x").tracking) == []
+
+
+def test_a_tracking_server_behind_credentials_answers_the_health_check_with_them(compose_cfg):
+    """The URL's user:password go as HTTP basic auth, as MLflow's client sends them; a server that wants them
+    (here one that answers /health only with them) is reached, and a wrong password is named without it."""
+    import base64
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    wanted = "Basic " + base64.b64encode(b"user:s3cret").decode()
+
+    class Guarded(BaseHTTPRequestHandler):
+        def do_GET(self):
+            ok = self.path == "/health" and self.headers.get("Authorization") == wanted
+            self.send_response(200 if ok else 401)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Guarded)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    try:
+        assert check_tracking_server(compose_cfg(f"tracking.uri=http://user:s3cret@127.0.0.1:{port}")) == []
+        (line,) = check_tracking_server(compose_cfg(f"tracking.uri=http://user:wrong@127.0.0.1:{port}"))
+        assert "does not answer (Unauthorized)" in line and "wrong" not in line
+    finally:
+        server.shutdown()
+
+
+def test_hydras_own_files_hold_no_password_of_a_url(tmp_path):
+    out = run_train_py(
+        f"output_dir={tmp_path}", f"tracking.uri=http://user:s3cret@127.0.0.1:{_closed_port()}", timeout=120
+    )
+    assert out.returncode == 2 and "s3cret" not in out.stderr
+    written = sorted(tmp_path.glob("runs/*/*/.hydra/*.yaml"))
+    assert {p.name for p in written} == {"config.yaml", "hydra.yaml", "overrides.yaml"}
+    assert all("s3cret" not in p.read_text() for p in written)
+    assert any("user:***@127.0.0.1" in p.read_text() for p in written)
