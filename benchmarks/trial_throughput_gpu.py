@@ -68,7 +68,7 @@ def arm(
 def read_arm(name: str, args: argparse.Namespace, configs: list) -> list[dict]:
     from mlflow.tracking import MlflowClient
 
-    from memfit.tracking import default_tracking_uri
+    from memfit.tracking import default_tracking_uri, run_facts
 
     work = Path(args.work) / name
     client = MlflowClient(default_tracking_uri(str(work / "outputs")))
@@ -82,7 +82,7 @@ def read_arm(name: str, args: argparse.Namespace, configs: list) -> list[dict]:
             return [m.value for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)]
 
         run_id = report.get("run_id")
-        metrics = client.get_run(run_id).data.metrics if run_id else {}
+        metrics = run_facts(client, run_id) if run_id else {}
         rows.append(
             {
                 "config": [batch, source, label],

@@ -11,7 +11,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from memfit.run import run
-from memfit.tracking import default_tracking_uri
+from memfit.tracking import default_tracking_uri, run_facts
 from tests.memory.test_loss import MODEL_IDS, MODELS, assert_model_loss_equals_its_own
 
 pytestmark = [
@@ -95,10 +95,11 @@ def test_a_plain_run_on_cuda_trains_budget_shaped_batches_by_default(compose_cfg
     cfg = compose_cfg(*[o for o in GPU_RUN if o != "trainer.batching=fixed"], "budget.gib=8", "trainer.batch_size=8")
     report = run(cfg)
     assert report.status == "ok" and report.steps == 3, report.reason
-    recorded = MlflowClient(default_tracking_uri(cfg.output_dir)).get_run(report.run_id)
+    client = MlflowClient(default_tracking_uri(cfg.output_dir))
+    recorded = client.get_run(report.run_id)
     assert recorded.data.params["trainer.batching"] == "budget"
     assert recorded.data.tags["memfit.effective_batch"] in ("tokens", "samples")  # auto, resolved with the plan
-    assert recorded.data.metrics["plan/max_batch"] >= 1
+    assert run_facts(client, report.run_id)["plan/max_batch"] >= 1
 
 
 def test_a_bf16_lora_run_on_cuda_saves_an_adapter_and_merged_model_that_load(compose_cfg):
@@ -173,9 +174,9 @@ def test_the_preflight_on_cuda_keeps_a_long_runs_cache_growth_below_its_limit(co
     report = run(cfg)
     assert report.status == "ok" and report.steps == 3, report.reason
     assert report.limit_gib == pytest.approx(8 - cfg.budget.margin_gib, abs=1e-6)
-    measured = MlflowClient(default_tracking_uri(cfg.output_dir)).get_run(report.run_id).data.metrics
+    client = MlflowClient(default_tracking_uri(cfg.output_dir))
     assert report.worst_case_peak_gib == pytest.approx(
-        measured["preflight/peak_reserved_gib"] + LONG_RUN_CACHE_GROWTH / GIB
+        run_facts(client, report.run_id)["preflight/peak_reserved_gib"] + LONG_RUN_CACHE_GROWTH / GIB
     )
     assert report.reserved_over_preflight_gib is not None and report.reserved_over_preflight_gib <= 0
 
@@ -276,7 +277,7 @@ def test_no_training_step_peaks_above_what_the_preflight_measured_in_bf16(compos
     report = run(cfg)
     assert report.status == "ok" and report.steps == 3, report.reason
     client = MlflowClient(default_tracking_uri(cfg.output_dir))
-    preflight = client.get_run(report.run_id).data.metrics["preflight/peak_allocated_gib"]
+    preflight = run_facts(client, report.run_id)["preflight/peak_allocated_gib"]
     steps = client.get_metric_history(report.run_id, "mem/peak_allocated_gib")
     assert steps and max(m.value for m in steps) <= preflight * 1.01, (preflight, [m.value for m in steps])
 
@@ -328,9 +329,10 @@ def test_qlora_trains_budget_shaped_batches_with_the_chunked_loss_by_default(com
     report = run(cfg)
     assert report.status == "ok" and report.steps == 3, report.reason
     assert report.final_loss is not None and report.final_loss == report.final_loss  # finite, not NaN
-    recorded = MlflowClient(default_tracking_uri(cfg.output_dir)).get_run(report.run_id)
+    client = MlflowClient(default_tracking_uri(cfg.output_dir))
+    recorded = client.get_run(report.run_id)
     assert recorded.data.params["trainer.batching"] == "budget" and recorded.data.params["memory.loss"] == "chunked"
-    assert recorded.data.params["memory.load_in_4bit"] == "True" and recorded.data.metrics["plan/max_batch"] >= 1
+    assert recorded.data.params["memory.load_in_4bit"] == "True" and run_facts(client, report.run_id)["plan/max_batch"]
 
 
 def test_memory_optimizer_adamw_8bit_trains_with_bitsandbytes(compose_cfg):

@@ -15,7 +15,7 @@ from memfit.memory.meter import HostMeter
 from memfit.memory.probe import ProbeSetup, make_batch, probe
 from memfit.models import build_model, build_tokenizer
 from memfit.run import run
-from memfit.tracking import default_tracking_uri
+from memfit.tracking import default_tracking_uri, run_facts
 from tests.conftest import FAST, run_train_py
 
 
@@ -140,7 +140,7 @@ def test_a_failing_preflight_exits_before_training_with_ways_out(tmp_path, long_
     assert recorded.info.status == "FAILED"
     assert recorded.data.tags["memfit.reason"].startswith("preflight")
     assert "train/loss" not in recorded.data.metrics  # no training step ran
-    assert recorded.data.metrics["preflight/passed"] == 0.0
+    assert run_facts(client, recorded.info.run_id)["preflight/passed"] == 0.0
 
 
 def test_generation_is_probed_when_evaluation_generates(compose_cfg):

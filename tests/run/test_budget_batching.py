@@ -11,7 +11,7 @@ from mlflow.tracking import MlflowClient
 
 from memfit.config import ConfigError
 from memfit.run import run
-from memfit.tracking import default_tracking_uri
+from memfit.tracking import default_tracking_uri, run_facts
 from tests.conftest import FAST, readme_command
 
 pytestmark = pytest.mark.slow
@@ -73,9 +73,10 @@ def test_a_binding_budget_gives_long_labels_small_micro_batches_short_ones_large
     proven = {tuple(m["shape"]) for m in plan["measured"] if not m["oom"] and m["reserved_gib"] <= plan["limit_gib"]}
     assert proven  # every proof shape measured within the limit (the run would have stopped otherwise)
     recorded = client.get_run(run_id)
-    assert recorded.info.status == "FINISHED" and recorded.data.metrics["plan/max_batch"] == 16
+    facts = run_facts(client, run_id)
+    assert recorded.info.status == "FINISHED" and facts["plan/max_batch"] == 16
     assert 0 < recorded.data.metrics["eval/loss"] < 20  # evaluation on packed batches: a per-token loss
-    assert recorded.data.metrics["plan/min_batch"] < 16 and recorded.data.metrics["preflight/passed"] == 1.0
+    assert facts["plan/min_batch"] < 16 and facts["preflight/passed"] == 1.0
     assert recorded.data.params["memfit.reserved_by"] == "fitted ratio"  # host memory: no caching allocator to replay
     sizes = client.get_metric_history(run_id, "train/micro_batch_size")
     micro = client.get_metric_history(run_id, "train/micro_batches")
@@ -153,7 +154,7 @@ def test_a_sample_that_does_not_fit_alone_stops_the_run_before_step_1_with_one_l
     assert "label 304" in report.reason and "raise budget.gib" in report.reason  # the longest label is named
     client = MlflowClient(default_tracking_uri(str(compose_cfg().output_dir)))
     recorded = client.get_run(report.run_id)
-    assert recorded.info.status == "FAILED" and recorded.data.metrics["preflight/passed"] == 0.0
+    assert recorded.info.status == "FAILED" and run_facts(client, report.run_id)["preflight/passed"] == 0.0
     assert "train/loss" not in recorded.data.metrics
 
 

@@ -9,7 +9,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from memfit.run import run
-from memfit.tracking import default_tracking_uri
+from memfit.tracking import default_tracking_uri, run_facts
 from tests.conftest import FAST, run_train_py
 
 pytestmark = pytest.mark.slow
@@ -47,23 +47,29 @@ def test_tiny_run_records_loss_beside_peak_memory(compose_cfg, tmp_path, model):
     retries = client.get_metric_history(recorded.info.run_id, "mem/alloc_retries")
     assert [(m.step, m.value) for m in retries] == [(1, 0), (2, 0), (3, 0)]  # the host has no caching allocator
     assert report.alloc_retries == 0
-    summary = recorded.data.metrics
+    summary, facts = recorded.data.metrics, run_facts(client, recorded.info.run_id)
     assert summary["summary/peak_allocated_gib"] >= max(
         m.value for m in client.get_metric_history(recorded.info.run_id, "mem/peak_allocated_gib")
     )
-    assert summary["summary/train_tokens"] > 0 and "eval/loss" in summary
-    assert summary["summary/tokens_per_s"] > 0 and summary["summary/tokens_per_s_with_warmup"] > 0
+    assert facts["summary/train_tokens"] > 0 and "eval/loss" in summary
+    assert summary["summary/tokens_per_s"] > 0 and facts["summary/tokens_per_s_with_warmup"] > 0
     # steps 2 and 3 give two steady rates: their spread, standard deviation over mean, says how far to trust them
-    assert report.tokens_per_s_spread == summary["summary/tokens_per_s_spread"] >= 0
+    assert report.tokens_per_s_spread == facts["summary/tokens_per_s_spread"] >= 0
     assert report.epoch_tokens_per_s == summary["summary/epoch_tokens_per_s"] > 0  # the epoch's, from its plan
+    assert summary["summary/label_coverage"] == report.label_coverage
+    assert summary["summary/worst_case_peak_gib"] == pytest.approx(report.worst_case_peak_gib)
     # what training reserved beyond the preflight's worst case (here the process's RSS, which grows as it trains)
     growth = report.peak_reserved_gib - report.worst_case_peak_gib
     assert report.reserved_over_preflight_gib == pytest.approx(growth)
-    assert summary["summary/reserved_over_preflight_gib"] == pytest.approx(growth)
-    startup = {k: v for k, v in summary.items() if k.startswith("startup/")}  # every phase before the preflight
+    assert facts["summary/reserved_over_preflight_gib"] == pytest.approx(growth)
+    startup = {k: v for k, v in facts.items() if k.startswith("startup/")}  # every phase before the preflight
     phases = ("checks", "tokenizer", "data", "device", "tracking", "audit", "model", "trainer")
     assert set(startup) == {f"startup/{phase}_s" for phase in phases} and all(v >= 0 for v in startup.values())
-    assert startup["startup/data_s"] == summary["audit/seconds"]
+    assert startup["startup/data_s"] == facts["audit/seconds"]
+    # the MLflow UI's columns and charts: per-step series and a few single numbers; the audit's are facts
+    single = [key for key in summary if len(client.get_metric_history(recorded.info.run_id, key)) == 1]
+    assert len(single) <= 10 and not [key for key in summary if key.startswith(("audit/", "preflight/", "startup/"))]
+    assert facts["audit/label_coverage"] == report.label_coverage and facts["preflight/passed"] == 1.0
     padding = [m.value for m in client.get_metric_history(recorded.info.run_id, "train/padding_share")]
     assert len(padding) == 3 and all(0 <= share < 1 for share in padding)
     assert recorded.data.params["memory.name"] == "balanced"
@@ -93,7 +99,7 @@ def test_the_preflight_keeps_what_a_long_runs_cache_grows_below_its_limit(compos
     assert "limit 5.25 GiB (budget 6.00 GiB minus margin and 0.25 GiB for a long run's cache" in caplog.text
     assert report.limit_gib == pytest.approx(6 - cfg.budget.margin_gib, abs=1e-6)
     client, runs = _runs(cfg.output_dir)
-    measured = client.get_run(runs[0].info.run_id).data.metrics["preflight/peak_reserved_gib"]
+    measured = run_facts(client, runs[0].info.run_id)["preflight/peak_reserved_gib"]
     assert report.worst_case_peak_gib == pytest.approx(measured + kept)
     assert report.reserved_over_preflight_gib == pytest.approx(report.peak_reserved_gib - report.worst_case_peak_gib)
 

@@ -74,6 +74,21 @@ def test_a_trial_beyond_n_trials_is_over_quota_unless_it_retries_a_killed_one():
     assert not proposals.over_quota(retry, started, n_trials=3)
 
 
+def test_a_trial_a_retry_stands_in_for_does_not_count_toward_n_trials():
+    """Trial 1 was interrupted and its configuration queued again as trial 3: the retry measures it, so three
+    trials count (0, 2 and the retry), and a fourth new one is within n_trials=4."""
+    interrupted = _trial(1, {"trainer.batch_size": 8}, "interrupted", -1.0)
+    started = [
+        _trial(0, {"trainer.batch_size": 4}, "ok", -1.0),
+        interrupted,
+        _trial(2, {"trainer.batch_size": 16}, "ok", -1.0),
+    ]
+    retry = _trial(3, {"trainer.batch_size": 8}, "ok", -1.0, retry_of=1)
+    assert [t.number for t in proposals.measured([*started, retry])] == [0, 2, 3]
+    assert not proposals.over_quota(_trial(4, {"trainer.batch_size": 4}, "ok", -1.0), [*started, retry], n_trials=4)
+    assert proposals.over_quota(_trial(4, {"trainer.batch_size": 4}, "ok", -1.0), [*started, retry], n_trials=3)
+
+
 def test_a_fast_ranking_shortlists_and_the_costly_prediction_judges_the_fullest_fit():
     candidates = [{"b": b} for b in (1, 2, 3, 4, 5, 6, 8)]
     fitted = {1: 0.6, 2: 1.5, 3: 2.3, 4: 3.1, 5: 3.9, 6: 4.3, 8: 6.0}  # the fitted model reads high

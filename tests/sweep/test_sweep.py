@@ -14,7 +14,7 @@ from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
 from memfit.sweep import outcome_of, parse_search
-from memfit.tracking import default_tracking_uri
+from memfit.tracking import default_tracking_uri, run_facts
 from tests.conftest import free_port, readme_command, run_train_py, serving, sweep_outputs
 
 
@@ -676,6 +676,8 @@ def test_sigterm_stops_a_sweep_recording_its_trial_interrupted_and_the_rerun_mea
     retried = [t for t in study.trials if t.user_attrs.get("retry_of") == 0]
     assert len(retried) == 1 and retried[0].state == optuna.trial.TrialState.COMPLETE
     assert all(t.params["trainer.batch_size"] in choices for t in study.trials)
+    parent = client.get_run(parent.info.run_id)  # the rerun finished the sweep's run: its stop is not why it ended
+    assert parent.info.status == "FINISHED" and "memfit.reason" not in parent.data.tags
 
 
 IN_PROCESS = [
@@ -927,7 +929,9 @@ def test_a_sweep_chooses_between_fixed_and_budget_shaped_batches_and_searches_th
         assert run.data.params["trainer.gradient_accumulation_steps"] == "1"
         assert run.data.params["trainer.micro_batch_fill"] == str(trial.params["trainer.micro_batch_fill"])
         assert run.data.params["trainer.effective_batch"] == trial.params["trainer.effective_batch"]
-        assert run.data.metrics["plan/max_batch"] >= 1 and "train/micro_batch_size" in run.data.metrics
+        assert (
+            run_facts(client, run.info.run_id)["plan/max_batch"] >= 1 and "train/micro_batch_size" in run.data.metrics
+        )
     best = OmegaConf.load(tmp_path / "preset" / "tiny_seq2seq-aclsum-1.7gib.yaml")
     if best.trainer.batching == "budget":
         assert best.trainer.batch_size == 16 and best.trainer.gradient_accumulation_steps == 1

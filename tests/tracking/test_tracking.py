@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from omegaconf import OmegaConf
 
 from memfit.tracking import flatten, mask_credentials
@@ -75,6 +77,8 @@ def test_without_a_writable_cache_mlflow_migrates_the_new_store_itself(tmp_path,
 ONE_RUN = """
 import sys, time
 from pathlib import Path
+import os
+
 from omegaconf import OmegaConf
 from memfit.tracking import start_tracking
 
@@ -162,3 +166,27 @@ def test_a_write_waits_while_another_process_holds_the_stores_lock(tmp_path):
     finally:
         lock.wait(timeout=30)
     assert tracker.status() == "FINISHED"
+
+
+def test_a_run_whose_process_died_is_ended_killed_by_the_next_run(tmp_path):
+    """A process the OS killed (SIGKILL: no handler ran) leaves its run RUNNING; the next run on this host ends it
+    KILLED with the reason, and leaves alone runs whose process lives and a sweep's trials (its sweeper's)."""
+    import subprocess
+    import sys
+
+    from omegaconf import OmegaConf
+
+    from memfit.tracking import HOST, OWNER_TAG, end_orphans, open_run
+
+    cfg = OmegaConf.create({"output_dir": str(tmp_path), "tracking": {"uri": None, "experiment": "memfit"}})
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)
+    killed = open_run(cfg, "killed", {OWNER_TAG: f"{HOST}:{pid}"})
+    trial = open_run(cfg, "trial", {OWNER_TAG: f"{HOST}:{pid}", "mlflow.parentRunId": killed.run_id})
+    alive = open_run(cfg, "alive", {OWNER_TAG: f"{HOST}:{os.getpid()}"})
+    elsewhere = open_run(cfg, "elsewhere", {OWNER_TAG: f"another-host:{pid}"})
+    assert end_orphans(killed.client, "memfit") == [killed.run_id]
+    ended = killed.client.get_run(killed.run_id)
+    assert ended.info.status == "KILLED"
+    assert ended.data.tags["memfit.reason"].startswith(f"killed: its process ({pid}) ended without ending it")
+    assert {t.status() for t in (trial, alive, elsewhere)} == {"RUNNING"}

@@ -210,6 +210,19 @@ class PreparedData:
     label_raw: np.ndarray
 
 
+def _batch_rows(batch_size: int, samples: int) -> int:
+    """The most rows a training batch holds: a batch never holds more than there are samples (said)."""
+    if batch_size > samples:
+        log.warning(
+            "trainer.batch_size=%d is more than the %d training samples: every batch holds at most %d rows, and "
+            "the audit and preflight size that batch",
+            batch_size,
+            samples,
+            samples,
+        )
+    return min(batch_size, samples)
+
+
 def load_and_tokenize(cfg: DictConfig, tokenizer: Any) -> PreparedData:
     """The run's train/validation datasets, tokenized under the memory policy's lengths, with their audit."""
     from datasets import DatasetDict
@@ -250,15 +263,6 @@ def load_and_tokenize(cfg: DictConfig, tokenizer: Any) -> PreparedData:
             "conversation keeps its start, and the start held no assistant turn)"
         )
     kept_labels = np.asarray(train["label_len_kept"]) if "label_len_kept" in train.column_names else None
-    samples = len(splits["train"])
-    if cfg.trainer.batch_size > samples:  # a batch never holds more rows than there are samples
-        log.warning(
-            "trainer.batch_size=%d is more than the %d training samples: every batch holds at most %d rows, and "
-            "the audit and preflight size that batch",
-            cfg.trainer.batch_size,
-            samples,
-            samples,
-        )
     audit = audit_lengths(
         source_raw,
         label_raw,
@@ -267,7 +271,7 @@ def load_and_tokenize(cfg: DictConfig, tokenizer: Any) -> PreparedData:
         task=cfg.model.task,
         max_source=max_source,
         max_label=max_label,
-        batch=min(cfg.trainer.batch_size, samples),
+        batch=_batch_rows(cfg.trainer.batch_size, len(splits["train"])),
         multiple=cfg.memory.pad_to_multiple_of,
         sampler="group_by_length" if cfg.memory.group_by_length else "random",
         eval_lengths=eval_lengths,

@@ -101,7 +101,7 @@ def _record(ctx: RunContext, plan: Any, micro: list[tuple[int, int, int]]) -> No
 
     table = render_plan(plan, micro, ctx.meter.label)
     log.info("\n%s", table.rstrip())
-    ctx.tracker.log_metrics(plan_metrics(plan, micro), step=0)
+    ctx.tracker.log_facts(plan_metrics(plan, micro))
     ctx.tracker.log_text(table, "batch_plan/batch_plan.txt")
     ctx.tracker.set_tags({"memfit.effective_batch": ctx.cfg.trainer.effective_batch})
     record = {
@@ -235,7 +235,7 @@ def plan_batches(ctx: RunContext, setup: TrainingSetup) -> WorstCase:
         save_plan(cfg, plan, settings)
         setup.collator.capacity = plan.capacity
         setup.trainer.step_sampler = sampler
-    ctx.tracker.log_metrics(report.metrics(), step=0)
+    ctx.tracker.log_facts(report.metrics())
     ctx.tracker.log_text(report.summary(), "preflight.txt")
     worst = max(report.probes, key=lambda p: p.judged_bytes, default=None)
     predicted = predict(worst.shape) / GIB if worst is not None else None

@@ -36,7 +36,8 @@ def _log_audit(ctx: RunContext, audit_seconds: float) -> None:
 
     prepared, tracker = ctx.prepared, ctx.tracker
     log.info("\n%s", render_table(prepared.audit).rstrip())
-    tracker.log_metrics({**prepared.audit.metrics(), "audit/seconds": audit_seconds}, step=0)
+    tracker.log_facts({**prepared.audit.metrics(), "audit/seconds": audit_seconds})
+    tracker.log_metrics({"summary/label_coverage": prepared.audit.label_coverage}, step=0)
     with tempfile.TemporaryDirectory() as tmp:
         path = plot_histogram(prepared.audit, prepared.source_raw, prepared.label_raw, f"{tmp}/length_histogram.png")
         tracker.log_artifact(path, "audit")
@@ -140,6 +141,7 @@ def _with_worst_case(report: RunReport, ctx: RunContext, worst: WorstCase) -> Ru
     if worst.report is not None and worst.report.probes:
         judged = worst.report.worst
         report.worst_case_peak_gib = (judged.judged_bytes + kept) / GIB  # judged as the preflight judged it
+        ctx.tracker.log_metrics({"summary/worst_case_peak_gib": report.worst_case_peak_gib}, step=0)
         report.limit_gib = (worst.report.limit_bytes + kept) / GIB  # budget minus margin
         report.worst_case_shape = [judged.shape.batch, judged.shape.source, judged.shape.label]
         report.max_batch = worst.report.max_batch
@@ -156,7 +158,7 @@ def _growth_past_preflight(report: RunReport, ctx: RunContext) -> None:
         return
     growth = report.peak_reserved_gib - report.worst_case_peak_gib
     report.reserved_over_preflight_gib = growth
-    ctx.tracker.log_metrics({"summary/reserved_over_preflight_gib": growth}, step=report.steps)
+    ctx.tracker.log_facts({"summary/reserved_over_preflight_gib": growth})
     if ctx.device == "cuda" and report.limit_gib is not None and (report.peak_allocated_gib or 0) > report.limit_gib:
         log.warning(
             "training's allocated memory reached %.2f GiB, past the %.2f GiB limit the preflight proved every batch "
@@ -199,7 +201,7 @@ def _phases(ctx: RunContext) -> tuple[RunReport, WorstCase, TrainingSetup | None
     setup: TrainingSetup = prepare_training(ctx)
     raise_if_stopped()  # a stop signal dropped while the model was built (signals._received)
     log.info("start-up: %s", ctx.clock.summary())
-    ctx.tracker.log_metrics({f"startup/{phase}_s": seconds for phase, seconds in ctx.clock.seconds.items()}, step=0)
+    ctx.tracker.log_facts({f"startup/{phase}_s": seconds for phase, seconds in ctx.clock.seconds.items()})
     if cfg.estimate_only:
         return estimate(ctx, setup), worst, setup
     if cfg.preflight.enabled:

@@ -161,15 +161,6 @@ def train(ctx: RunContext, setup: TrainingSetup) -> RunReport:
     tokens_per_s = setup.callback.steady_tokens_per_s or with_warmup
     retries = setup.callback.alloc_retries
     epoch_rate = _epoch_tokens_per_s(ctx, setup)
-    summary = {
-        "summary/peak_allocated_gib": overall.allocated_gib,
-        "summary/peak_reserved_gib": overall.reserved_gib,
-        "summary/train_tokens": totals.tokens,
-        "summary/wall_s": totals.wall_s,
-        "summary/tokens_per_s": tokens_per_s,  # after the first step's warm-up
-        "summary/tokens_per_s_with_warmup": with_warmup,
-        "summary/alloc_retries": retries,
-    }
     if retries:
         log.warning(
             "the CUDA allocator freed its cache %d times during training to stay under the cap: every step fitted, "
@@ -177,14 +168,24 @@ def train(ctx: RunContext, setup: TrainingSetup) -> RunReport:
             retries,
         )
     spread = setup.callback.tokens_per_s_spread
-    optional = {
-        "summary/tokens_per_s_spread": spread,  # the steady steps' tokens/s: standard deviation over mean
+    # the numbers runs are compared by, as MLflow columns and charts; the rest of the summary among the run's facts
+    headline = {
+        "summary/peak_allocated_gib": overall.allocated_gib,
+        "summary/peak_reserved_gib": overall.reserved_gib,
+        "summary/tokens_per_s": tokens_per_s,  # after the first step's warm-up
         "summary/epoch_tokens_per_s": epoch_rate,
         "summary/final_loss": totals.final_loss,
         "summary/eval_loss": totals.eval_loss,
+        "summary/alloc_retries": retries,
     }
-    summary.update({key: value for key, value in optional.items() if value is not None})
-    ctx.tracker.log_metrics(summary, step=totals.steps)
+    ctx.tracker.log_metrics({k: v for k, v in headline.items() if v is not None}, step=totals.steps)
+    facts = {
+        "summary/train_tokens": totals.tokens,
+        "summary/wall_s": totals.wall_s,
+        "summary/tokens_per_s_with_warmup": with_warmup,
+        "summary/tokens_per_s_spread": spread,  # the steady steps' tokens/s: standard deviation over mean
+    }
+    ctx.tracker.log_facts({k: v for k, v in facts.items() if v is not None})
     return RunReport(
         status="ok",
         objective=tokens_per_s,

@@ -89,7 +89,7 @@ def calibrate(ctx: RunContext, setup: TrainingSetup, probes: Any) -> Any:
             )
     if calibration is not None:
         ctx.tracker.log_params({"memfit.calibration": calibration.key, "memfit.reserved_by": calibration.reserved_by})
-        ctx.tracker.log_metrics({"calibration/seconds": 0.0 if calibration.from_cache else calibration.seconds})
+        ctx.tracker.log_facts({"calibration/seconds": 0.0 if calibration.from_cache else calibration.seconds})
     return calibration
 
 
@@ -106,13 +106,12 @@ def _log_prediction(ctx: RunContext, calibration: Any, worst: Any) -> float | No
         return None
     predicted = calibration.estimate(worst.shape)
     error = predicted.reserved / worst.peak.reserved - 1
-    ctx.tracker.log_metrics(
+    ctx.tracker.log_facts(
         {
             "preflight/predicted_allocated_gib": predicted.allocated / GIB,
             "preflight/predicted_reserved_gib": predicted.reserved / GIB,
             "preflight/prediction_error_reserved": error,
         },
-        step=0,
     )
     log.info(
         "memory model: predicted %.2f GiB reserved for the worst batch, measured %.2f GiB (%+.1f%%)",
@@ -147,7 +146,7 @@ def estimate(ctx: RunContext, setup: TrainingSetup) -> RunReport:
     )
     result.largest_cap = _cap_note(result.largest_batch, upper, samples)  # as preflight_only says it
     result.budget_label, result.cache_growth = ctx.cap.judged_against, ctx.meter.cache_growth
-    ctx.tracker.log_metrics(result.metrics(), step=0)
+    ctx.tracker.log_facts(result.metrics())
     ctx.tracker.log_text(result.summary(), "estimate.txt")
     print(result.summary())
     return RunReport(
@@ -291,7 +290,7 @@ def run_preflight(ctx: RunContext, setup: TrainingSetup) -> WorstCase:
     if not passed:
         report.suggestions = _ways_out(ctx, setup, measured, limit, calibration)
     report.seconds = time.perf_counter() - start
-    ctx.tracker.log_metrics(report.metrics(), step=0)
+    ctx.tracker.log_facts(report.metrics())
     ctx.tracker.log_text(report.summary(), "preflight.txt")
     if passed:
         log.info("\n%s", report.summary())

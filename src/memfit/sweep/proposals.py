@@ -149,10 +149,17 @@ def fullest_fit(
     return best
 
 
+def measured(trials: list[Any]) -> list[Any]:
+    """The trials that count toward n_trials: those run (counts_as_run) and not superseded by a retry, since a
+    killed or interrupted trial whose configuration was queued again is measured by that retry, not by itself."""
+    retried = {t.user_attrs["retry_of"] for t in trials if "retry_of" in t.user_attrs}
+    return [t for t in trials if counts_as_run(t) and t.number not in retried]
+
+
 def over_quota(trial: Any, started: list[Any], n_trials: int) -> bool:
     """Trials are numbered in the order the storage created them: a trial with n_trials run (or running) trials
     before it is one too many, asked by one of several workers at the same moment. A retry of a killed trial never
-    is: its configuration would otherwise be lost. `started`: the study's RUNNING, COMPLETE and FAIL trials."""
+    is: its configuration would otherwise be lost. `started`: the study's trials (a retry queued is among them)."""
     if "retry_of" in trial.user_attrs:
         return False
-    return len([t for t in started if t.number < trial.number and counts_as_run(t)]) >= n_trials
+    return len([t for t in measured(started) if t.number < trial.number]) >= n_trials

@@ -18,9 +18,9 @@ from typing import Any
 from omegaconf import DictConfig
 
 from memfit.sweep import proposals
-from memfit.sweep.owner import HOST, pid_alive
 from memfit.sweep.proposals import counts_as_run, pending_params
 from memfit.sweep.space import SweepConfigError
+from memfit.tracking import HOST, pid_alive
 
 log = logging.getLogger("memfit.sweep")
 
@@ -288,8 +288,8 @@ def trials_in(study: Any, *states: Any) -> list[Any]:
 
 
 def trials_run(study: Any) -> int:
-    """Trials this study ran to the end (every worker's): n_trials counts these."""
-    return len([t for t in study.trials if t.state.is_finished() and counts_as_run(t)])
+    """Trials this study ran to the end (every worker's), none a retry stands in for: n_trials counts these."""
+    return len([t for t in proposals.measured(study.trials) if t.state.is_finished()])
 
 
 def running(study: Any) -> int:
@@ -313,11 +313,15 @@ def pending(study: Any) -> list[dict[str, Any]]:
 
 
 def over_quota(study: Any, trial: Any, n_trials: int) -> bool:
-    """proposals.over_quota over the study's started trials."""
+    """proposals.over_quota over the study's started trials and its queued retries (each stands in for a trial
+    that was killed or interrupted)."""
     import optuna
 
     states = optuna.trial.TrialState
-    return proposals.over_quota(trial, trials_in(study, states.RUNNING, states.COMPLETE, states.FAIL), n_trials)
+    retries = [t for t in trials_in(study, states.WAITING) if "retry_of" in t.user_attrs]
+    return proposals.over_quota(
+        trial, trials_in(study, states.RUNNING, states.COMPLETE, states.FAIL) + retries, n_trials
+    )
 
 
 def tell_surplus(study: Any, trial: Any) -> None:

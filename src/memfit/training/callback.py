@@ -92,7 +92,7 @@ class MemoryLoggingCallback:
         self._retries_before = self.meter.alloc_retries()
         # what training starts from (weights, and anything the preflight left): each micro-batch's peak builds on it
         start = self.meter.current_bytes() / GIB
-        self.tracker.log_metrics({"mem/train_start_allocated_gib": start}, step=state.global_step)
+        self.tracker.log_facts({"mem/train_start_allocated_gib": start})
         self.meter.reset_window()
         self.meter.reset_overall()  # the run's peaks are training's: the preflight's probes are reported apart
         self._last_time, self._last = time.perf_counter(), self._counts()

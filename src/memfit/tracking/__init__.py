@@ -8,17 +8,25 @@ with a reason, never leaving it RUNNING.
 
 from __future__ import annotations
 
-import contextlib
+import json
 import logging
 import os
 import re
-import shutil
-import sqlite3
 import time
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+
+# a run's owner and its store, where callers have always found them
+from memfit.tracking.owners import HOST as HOST
+from memfit.tracking.owners import OWNER_TAG as OWNER_TAG
+from memfit.tracking.owners import end_orphans as end_orphans
+from memfit.tracking.owners import pid_alive as pid_alive
+from memfit.tracking.store import artifact_location as artifact_location
+from memfit.tracking.store import default_tracking_uri as default_tracking_uri
+from memfit.tracking.store import empty_store_template as empty_store_template
+from memfit.tracking.store import tracking_uri as tracking_uri
 
 log = logging.getLogger(__name__)
 
@@ -28,11 +36,6 @@ _CREDENTIALS = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^:/@
 def mask_credentials(text: str) -> str:
     """postgresql://user:secret@host → postgresql://user:***@host."""
     return _CREDENTIALS.sub(lambda m: f"{m['scheme']}{m['user']}:***@", text)
-
-
-def default_tracking_uri(output_dir: str) -> str:
-    """MLflow's own default backend, sqlite, in a file under outputs/."""
-    return f"sqlite:///{(Path(output_dir).resolve() / 'mlflow.db')}"
 
 
 def flatten(cfg: DictConfig) -> dict[str, str]:
@@ -50,6 +53,23 @@ def flatten(cfg: DictConfig) -> dict[str, str]:
     return flat
 
 
+FACTS_FILE = "facts.json"  # a run's single values (MlflowTracker.log_facts)
+
+
+def run_facts(client: Any, run_id: str) -> dict[str, float]:
+    """A run's facts (MlflowTracker.log_facts) read back from its store; {} where it logged none."""
+    import tempfile
+
+    from mlflow.exceptions import MlflowException
+
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            path = client.download_artifacts(run_id, FACTS_FILE, tmp)
+        except (MlflowException, OSError):
+            return {}
+        return json.loads(Path(path).read_text())
+
+
 class NullTracker:
     """tracking=none: the same calls, recorded nowhere."""
 
@@ -62,6 +82,9 @@ class NullTracker:
         pass
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        pass
+
+    def log_facts(self, facts: dict[str, float]) -> None:
         pass
 
     def set_tags(self, tags: dict[str, str]) -> None:
@@ -120,6 +143,8 @@ class MlflowTracker:
             masked = {key: _tag_value(value) for key, value in tags.items()}
             self.run_id = self.client.create_run(experiment_id, run_name=run_name, tags=masked).info.run_id
         self._buffer: list[Any] = []
+        self._facts: dict[str, float] = {}
+        self._facts_written = True
         self._last_flush = time.monotonic()
         log.info("MLflow run %s (%s) in %s", run_name, self.run_id, mask_credentials(uri))
 
@@ -160,6 +185,13 @@ class MlflowTracker:
         if time.monotonic() - self._last_flush >= self.flush_every_s:
             self.flush()
 
+    def log_facts(self, facts: dict[str, float]) -> None:
+        """Single values a run establishes once (the audit's percentiles, the preflight's shapes, start-up phases):
+        kept in the run's facts.json artifact, not as metrics, so the MLflow UI's charts and columns show what
+        users compare (per-step series and a few summary/* numbers). Written with the next flush."""
+        self._facts.update({key: float(value) for key, value in facts.items()})
+        self._facts_written = False
+
     def set_tags(self, tags: dict[str, str]) -> None:
         """One write for all of them (a sweep trial sets a dozen on the run the sweeper created: one store
         transaction each, with set_tag, against a store that every concurrent trial writes to)."""
@@ -181,6 +213,9 @@ class MlflowTracker:
         buffered, self._buffer = self._buffer, []
         for batch in _batches(buffered, self.max_batch):
             self.client.log_batch(self.run_id, metrics=batch)
+        if not self._facts_written:
+            self.client.log_dict(self.run_id, dict(sorted(self._facts.items())), FACTS_FILE)
+            self._facts_written = True
         self._last_flush = time.monotonic()
 
     def finish(self, status: str = "FINISHED", reason: str | None = None) -> None:
@@ -232,72 +267,6 @@ def end_if_running(cfg: DictConfig, run_id: str, status: str, reason: str) -> bo
     return True
 
 
-def artifact_location(uri: str, output_dir: str) -> str | None:
-    """Artifacts of a local store go under output_dir too (MLflow would put them in ./mlruns of the cwd);
-    a tracking server keeps its own artifact root."""
-    if uri.startswith(("sqlite:", "file:")) or "://" not in uri:
-        return (Path(output_dir).resolve() / "mlartifacts").as_uri()
-    return None
-
-
-def tracking_uri(cfg: DictConfig) -> str:
-    uri = cfg.tracking.uri or default_tracking_uri(cfg.output_dir)
-    if uri.startswith("sqlite:///"):
-        Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-        _create_sqlite_store(uri)
-    return uri
-
-
-_READY_STORES: set[str] = set()
-
-
-def _create_sqlite_store(uri: str) -> None:
-    """Create and migrate a sqlite store once, under a lock beside it: runs started together on a new store would
-    otherwise each run MLflow's schema migration, and all but one fail (`duplicate column name`). A new store starts
-    as a copy of an empty one MLflow migrated (empty_store_template); opening it verifies its schema and adds the
-    Default experiment, as for any store."""
-    if uri in _READY_STORES:
-        return
-    from filelock import FileLock
-    from mlflow.tracking import MlflowClient
-
-    path = Path(uri.removeprefix("sqlite:///"))
-    with FileLock(f"{path}.lock"):
-        if not path.exists():
-            try:
-                shutil.copyfile(empty_store_template(), path)
-            except (OSError, sqlite3.Error) as err:  # a cache it cannot write: MLflow migrates the new store itself
-                log.debug("no MLflow store template (%s): migrating %s", err, path)
-                path.unlink(missing_ok=True)
-        MlflowClient(tracking_uri=uri).search_experiments(max_results=1)  # opening the store migrates it
-    _READY_STORES.add(uri)
-
-
-def empty_store_template() -> Path:
-    """An empty sqlite store of this MLflow version, migrated once and kept in memfit's cache
-    ($XDG_CACHE_HOME/memfit, else ~/.cache/memfit). Migrating a new store runs every MLflow schema revision since
-    1.x: ~2 CPU-s and as long again in disk syncs, where copying this file takes 0.07 s (this 2-core host), which
-    was most of a tiny run's tracking start-up. The template holds no experiment: whoever opens a copy creates the
-    Default experiment with its own artifact root, as MLflow does in a store it creates."""
-    import mlflow
-    from filelock import FileLock
-    from mlflow.tracking import MlflowClient
-
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "memfit"
-    template = cache / f"mlflow-{mlflow.__version__}-empty.db"
-    if template.exists():
-        return template
-    cache.mkdir(parents=True, exist_ok=True)
-    with FileLock(f"{template}.lock"):
-        if not template.exists():
-            building = template.with_suffix(f".{os.getpid()}.tmp")
-            MlflowClient(tracking_uri=f"sqlite:///{building}").search_experiments(max_results=1)
-            with contextlib.closing(sqlite3.connect(building)) as db, db:
-                db.execute("DELETE FROM experiments WHERE experiment_id = 0")  # the Default experiment, see above
-            os.replace(building, template)
-    return template
-
-
 def open_run(cfg: DictConfig, run_name: str, tags: dict[str, str], run_id: str | None = None) -> MlflowTracker:
     uri = tracking_uri(cfg)
     return MlflowTracker(
@@ -330,4 +299,8 @@ def start_tracking(
         return NullTracker()
     if cfg.tracking.parent_run_id:
         tags = {**tags, "mlflow.parentRunId": cfg.tracking.parent_run_id}
-    return open_run(cfg, run_name, tags, run_id=run_id or cfg.tracking.get("run_id"))
+    tracker = open_run(
+        cfg, run_name, {**tags, OWNER_TAG: f"{HOST}:{os.getpid()}"}, run_id=run_id or cfg.tracking.get("run_id")
+    )
+    end_orphans(tracker.client, cfg.tracking.experiment)
+    return tracker
