@@ -297,7 +297,7 @@ def training_arguments(cfg: DictConfig, device: str, output_dir: str, has_eval: 
         # (a device read) stays: a micro-batch whose labels were all cut has a NaN mean, which it keeps out of the
         # logged loss that NonFiniteLoss judges
         accelerator_config={"non_blocking": device == "cuda"},
-        report_to="none",  # memfit owns the MLflow run (tracking.py)
+        report_to="none",  # memfit owns the MLflow run (memfit.tracking)
         remove_unused_columns=False,  # datasets hold only model inputs; peft wrappers hide forward's signature
         disable_tqdm=bool(os.environ.get("CI")),
     )
