@@ -190,3 +190,18 @@ def test_a_run_whose_process_died_is_ended_killed_by_the_next_run(tmp_path):
     assert ended.info.status == "KILLED"
     assert ended.data.tags["memfit.reason"].startswith(f"killed: its process ({pid}) ended without ending it")
     assert {t.status() for t in (trial, alive, elsewhere)} == {"RUNNING"}
+
+
+def test_a_shared_run_opened_twice_is_one_run_and_the_second_one_made_is_ended_before_it_is_deleted(tmp_path):
+    from omegaconf import OmegaConf
+
+    from memfit.tracking import open_shared_run
+
+    cfg = OmegaConf.create({"output_dir": str(tmp_path), "tracking": {"uri": None, "experiment": "memfit"}})
+    tags = {"memfit.sweep": "study-a"}
+    first = open_shared_run(cfg, "sweep-study-a", tags, key="memfit.sweep")
+    second = open_shared_run(cfg, "sweep-study-a", tags, key="memfit.sweep")
+    assert second.run_id == first.run_id
+    client = first.client
+    made = client.search_runs([client.get_experiment_by_name("memfit").experiment_id], run_view_type=2)  # deleted
+    assert len(made) == 1 and made[0].info.status == "FINISHED" and made[0].info.lifecycle_stage == "deleted"

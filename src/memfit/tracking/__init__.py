@@ -287,6 +287,8 @@ def open_shared_run(cfg: DictConfig, run_name: str, tags: dict[str, str], key: s
     first = min(runs, key=lambda r: (r.info.start_time, r.info.run_id), default=None)
     if first is None or first.info.run_id == mine.run_id:
         return mine
+    client.set_tag(mine.run_id, "memfit.reason", f"another worker's run {first.info.run_id} records this sweep")
+    client.set_terminated(mine.run_id, status="FINISHED")  # ended, then deleted: no RUNNING run left behind
     client.delete_run(mine.run_id)
     return open_run(cfg, run_name, tags, run_id=first.info.run_id)
 
