@@ -164,3 +164,30 @@ def test_a_killed_runs_last_checkpoint_is_saved_by_resuming_it_to_its_own_step(c
         load_file(checkpoint / "model.safetensors"),
     )
     assert saved.keys() == trained.keys() and all(torch.equal(saved[k], trained[k]) for k in saved)
+
+
+def test_save_model_best_saves_the_checkpoint_of_lowest_eval_loss(compose_cfg):
+    from safetensors.torch import load_file
+
+    cfg = compose_cfg(
+        "model=tiny_seq2seq", *FAST, "trainer.max_steps=4", "trainer.eval_steps=2", "trainer.save_steps=2",
+        "trainer.save_model=best", "tracking=none",
+    )  # fmt: skip
+    report = run(cfg)
+    checkpoints = Path(cfg.output_dir) / "checkpoints" / "tiny_seq2seq-balanced-b2"
+    state = json.loads((checkpoints / "checkpoint-4" / "trainer_state.json").read_text())
+    best = Path(state["best_model_checkpoint"])
+    assert report.status == "ok" and best.name in ("checkpoint-2", "checkpoint-4")
+    saved, kept = load_file(Path(report.saved_model) / "model.safetensors"), load_file(best / "model.safetensors")
+    assert all(torch.equal(saved[k], kept[k]) for k in kept)
+
+
+def test_save_model_best_without_eval_and_save_steps_is_one_line(compose_cfg):
+    from memfit.config import ConfigError, validate
+
+    with pytest.raises(ConfigError) as err:
+        validate(compose_cfg("model=tiny_seq2seq", "trainer.save_model=best"), cuda_available=False)
+    assert err.value.problems == [
+        "trainer.save_model=best keeps the checkpoint with the lowest eval loss: set trainer.eval_steps and "
+        "trainer.save_steps (a multiple of eval_steps), e.g. eval_steps=50 save_steps=50"
+    ]
