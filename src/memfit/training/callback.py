@@ -14,12 +14,14 @@ from memfit.training.throughput import Window
 
 # Trainer log keys → memfit metric names (`train/...`, `eval/...`), so the MLflow UI groups them.
 _RENAMES = {"loss": "train/loss", "learning_rate": "train/learning_rate", "grad_norm": "train/grad_norm"}
+# Trainer's timing of an evaluation: noise beside memfit's own tokens/s, and three more columns in the MLflow UI
+_EVAL_TIMINGS = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second")
 
 
 def _metric_name(key: str) -> str | None:
     if key in _RENAMES:
         return _RENAMES[key]
-    if key.startswith("eval_"):
+    if key.startswith("eval_") and key not in _EVAL_TIMINGS:
         return "eval/" + key.removeprefix("eval_")
     return None
 
