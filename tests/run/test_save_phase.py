@@ -191,3 +191,11 @@ def test_save_model_best_without_eval_and_save_steps_is_one_line(compose_cfg):
         "trainer.save_model=best keeps the checkpoint with the lowest eval loss: set trainer.eval_steps and "
         "trainer.save_steps (a multiple of eval_steps), e.g. eval_steps=50 save_steps=50"
     ]
+
+
+def test_the_saved_record_holds_no_password_of_a_url(compose_cfg):
+    cfg = compose_cfg("model=tiny_causal", *FAST, "trainer.max_steps=1", "tracking=none",
+                      "tracking.uri=http://user:s3cret@127.0.0.1:9")  # fmt: skip
+    report = run(cfg)
+    record = (Path(report.saved_model) / "memfit.json").read_text()
+    assert "s3cret" not in record and "http://user:***@127.0.0.1:9" in record

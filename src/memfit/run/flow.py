@@ -254,7 +254,7 @@ def run(cfg: DictConfig, callbacks: Sequence[Any] = ()) -> RunReport:
         ctx.tracker.finish("FAILED", "preflight: the worst batch does not fit the budget")
         return report
     ctx.tracker.finish("FINISHED")
-    if not (cfg.preflight_only or cfg.estimate_only):
+    if not (cfg.preflight_only or cfg.estimate_only) and report.peak_allocated_gib is not None:  # it trained
         log.info(
             "done: %d steps, loss %s, peak allocated %.2f GiB, peak reserved %.2f GiB (%s), %.0f tokens/s",
             report.steps,

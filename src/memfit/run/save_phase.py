@@ -3,6 +3,7 @@ with memfit.json (the config, the audit's coverage and the proven memory figures
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -23,8 +24,10 @@ REPORT_FIELDS = (
 
 def _record(ctx: RunContext, setup: TrainingSetup, report: RunReport) -> dict[str, Any]:
     import memfit
+    from memfit.tracking import mask_credentials
 
     cfg = ctx.cfg
+    config = json.loads(mask_credentials(json.dumps(OmegaConf.to_container(cfg, resolve=True))))
     return {
         "memfit_version": memfit.__version__,
         "model": cfg.model.name,
@@ -35,7 +38,7 @@ def _record(ctx: RunContext, setup: TrainingSetup, report: RunReport) -> dict[st
         "device": ctx.device,
         "budget_gib": cfg.budget.gib,
         **{name: getattr(report, name) for name in REPORT_FIELDS},
-        "config": OmegaConf.to_container(cfg, resolve=True),
+        "config": config,  # a password in a URL masked, as everywhere memfit writes
     }
 
 
