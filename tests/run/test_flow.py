@@ -237,6 +237,8 @@ def test_sigterm_ends_the_run_killed_with_its_metrics_and_it_resumes(tmp_path, m
     client, (run,) = _runs(tmp_path)
     assert run.info.status == "FINISHED" and run.data.tags["memfit.resumed_from"] == "checkpoint-2"
     assert "memfit.reason" not in run.data.tags  # the stop it recovered from is no longer why it ended
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
+    assert steps == [1, 2, 3, 4, 5]  # step 3, trained again after checkpoint-2, is logged once
 
 
 def _host_rss_gib() -> float:

@@ -132,8 +132,12 @@ class MlflowTracker:
         self.client = MlflowClient(tracking_uri=uri)
         self.uri = uri
         self.continued = bool(run_id)
+        self._logged_through = 0  # a resumed run's steps already in its history (from before it was stopped)
         if run_id:  # continue a run someone created (the sweeper, or an interrupted run being resumed)
             self.run_id = run_id
+            self._logged_through = max(
+                (m.step for m in self.client.get_metric_history(run_id, "train/loss")), default=0
+            )
             self.client.update_run(run_id, status="RUNNING", name=run_name)
             if "memfit.reason" in self.client.get_run(run_id).data.tags:  # why it stopped before: no longer so
                 self.client.delete_tag(run_id, "memfit.reason")
@@ -177,9 +181,12 @@ class MlflowTracker:
             self.client.log_batch(self.run_id, params=batch)
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        """Buffered; written in one batch once flush_every_s has passed, and at finish."""
+        """Buffered; written in one batch once flush_every_s has passed, and at finish. A resumed run trains again
+        the steps between its checkpoint and where it was stopped: those already logged are not logged twice."""
         from mlflow.entities import Metric
 
+        if step and step <= self._logged_through:
+            return
         now = int(time.time() * 1000)
         self._buffer.extend(Metric(k, float(v), now, step or 0) for k, v in metrics.items())
         if time.monotonic() - self._last_flush >= self.flush_every_s:
