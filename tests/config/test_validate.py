@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 
 import pytest
 from omegaconf import OmegaConf
@@ -69,6 +70,19 @@ def test_every_memory_knob_is_set_and_commented_with_its_trade_off_in_every_poli
         for name in memory_knobs():
             assert name in set_here, f"{path.name} does not set memory.{name}"
             assert "#" in set_here[name], f"{path.name}: knob without a trade-off comment: {set_here[name]}"
+
+
+def test_config_comments_say_a_trade_off_in_two_lines_and_name_no_session_or_card():
+    """A knob's comment is its trade-off in at most two lines; what measured it lives in docs/ and benchmarks/."""
+    history = re.compile(r"session \d|H100|H200|\brun \d+\b|issue \d", re.IGNORECASE)
+    for path in sorted(CONF.rglob("*.yaml")):
+        run = 0
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            assert not history.search(line), f"{path.relative_to(CONF)}:{number}: {line.strip()}"
+            continued = line.lstrip().startswith("#") and line.startswith("  ")
+            run = run + 1 if continued else (1 if "#" in line and line.strip()[:1] not in ("#", "") else 0)
+            if path.parent.name in ("memory", "trainer"):
+                assert run <= 2, f"{path.relative_to(CONF)}:{number}: a comment past two lines"
 
 
 def test_every_memory_field_declares_what_it_means_for_calibration_device_and_probe():
