@@ -57,12 +57,15 @@ def test_a_checkpoint_directory_with_a_problem_stops_with_one_line_before_any_mo
     encoder = shutil.copytree(good, tmp_path / "encoder")  # an encoder's checkpoint has no LM head
     config = json.loads((encoder / "config.json").read_text())
     (encoder / "config.json").write_text(json.dumps({**config, "architectures": ["BertModel"]}))
+    bad_tokenizer = shutil.copytree(good, tmp_path / "bad_tokenizer")
+    (bad_tokenizer / "tokenizer.json").write_text('{"not json')
     cases = [
         (no_config, "has no config.json"),
         (no_tokenizer, "has no tokenizer files"),
         (small, "its vocabulary has 1000 entries but its tokenizer"),
         (not_json, "its config.json is not a JSON object: save the checkpoint again"),
         (encoder, "is a BertModel checkpoint, with no language-model head for a causal LM"),
+        (bad_tokenizer, "its tokenizer does not load (JSONDecodeError: "),
     ]
     path, said = cases[0]  # train.py: exit 2, nothing recorded; the others raise the same lines from run()
     out = run_train_py("model=local", f"model.name_or_path={path}", f"output_dir={tmp_path / 'out'}")

@@ -46,6 +46,18 @@ def tokenizer_source(model: DictConfig) -> str | None:
     return model.tokenizer or local_checkpoint(model)
 
 
+def tokenizer_problem(model: DictConfig, err: Exception) -> str:
+    """One line for a tokenizer that does not load from where the config points."""
+    field, where = (
+        ("model.tokenizer", model.tokenizer) if model.tokenizer else ("model.name_or_path", model.name_or_path)
+    )
+    first = str(err).splitlines()[0][:200] if str(err) else ""
+    return (
+        f"{field}={where}: its tokenizer does not load ({type(err).__name__}: {first}): save it again with "
+        "tokenizer.save_pretrained(<dir>), or set model.tokenizer=<a directory that has one>"
+    )
+
+
 def checkpoint_problem(model: DictConfig) -> str | None:
     """Why model.name_or_path (or model.tokenizer) gives no checkpoint: one line, or None."""
     for field, name, revision in (

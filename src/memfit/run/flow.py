@@ -10,7 +10,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from memfit.config import GIB, ConfigError, limit_bytes, validate
-from memfit.config.local_model import check_vocabulary
+from memfit.config.local_model import check_vocabulary, tokenizer_problem
 from memfit.memory.policy import (
     apply_allocator_env,
     fall_back_to_fp32_on_slow_cpu,
@@ -96,7 +96,10 @@ def _start(cfg: DictConfig, clock: StartupClock, callbacks: tuple[Any, ...] = ()
         log.warning(warning)
     set_seed(cfg.trainer.seed)
     clock.lap("checks")
-    tokenizer = build_tokenizer(cfg.model)
+    try:
+        tokenizer = build_tokenizer(cfg.model)
+    except (OSError, ValueError) as err:  # a tokenizer file that is not what it should be: unreadable, not JSON
+        raise ConfigError([tokenizer_problem(cfg.model, err)]) from None
     if problems := check_vocabulary(cfg.model, tokenizer):
         raise ConfigError(problems)
     clock.lap("tokenizer")
