@@ -241,7 +241,7 @@ class Preset:
     use: str  # the command that trains from it, as printed
 
 
-def _write_kept(path: Path, text: str) -> None:
+def write_keeping_other(path: Path, text: str) -> None:
     """Write `text` at `path`; a different file already there is kept under its date, and said."""
     if path.exists() and path.read_text() != text:
         stamp = datetime.fromtimestamp(path.stat().st_mtime).strftime("%Y%m%d-%H%M%S")
@@ -291,9 +291,9 @@ def export_preset(study: Any, best: Any, view: SweepView) -> Preset:
         f"# Use: {use}\n"
     )
     text = header + OmegaConf.to_yaml(node)
-    _write_kept(path, text)
+    write_keeping_other(path, text)
     if exported is not None:
-        _write_kept(exported, text)
+        write_keeping_other(exported, text)
     return Preset(path, use)
 
 
