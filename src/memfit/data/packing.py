@@ -252,7 +252,8 @@ def cheaper_step_count(
     (`epoch_cost`). Token steps fill micro-batches that steps of samples leave part empty where memory binds; where
     a micro-batch may hold a whole step (roomy budgets) they fill no better, and steps of samples, which
     memory.group_by_length draws among like lengths, pad less (pegasus_large at 40 GiB on an H200: 1.22x the
-    tokens/s; at 24 GiB token steps were the faster, benchmarks/README.md "Session 46")."""
+    tokens/s; at 24 GiB token steps were the faster: the H200 result files
+    benchmarks/results/budget_batching_pegasus_large_{40,24}_seed1_*h200.json)."""
     return "samples" if epoch_cost(sample_micro, task) < epoch_cost(token_micro, task) else "tokens"
 
 

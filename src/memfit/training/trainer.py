@@ -151,7 +151,8 @@ class _MemfitTraining:
     def floating_point_ops(self, inputs: Any) -> int:
         """Trainer's estimate, 6 × input tokens × parameters without embeddings, summed over a step's micro-batches,
         with the parameters counted once: Trainer counts them at every micro-batch, a walk over every module (a
-        host cost of a LoRA step: benchmarks/README.md, session 35), though training changes no parameter count."""
+        host cost of a LoRA step: benchmarks/results/lora_host_cost_cpu_mode_and_flops.json), though training changes
+        no parameter count."""
         if isinstance(inputs, MicroBatches):
             return sum(self.floating_point_ops(micro) for micro in inputs)
         main_input = getattr(self.model, "main_input_name", "input_ids")
@@ -165,8 +166,8 @@ class _MemfitTraining:
 def _set_mode(model: Any, mode: bool = True) -> Any:
     """nn.Module.train, returning at once where the model is already in that mode: Trainer sets train mode at every
     micro-batch, a walk over every module (qwen2_5_1_5b with LoRA: ~2,500; a host cost of a LoRA step,
-    benchmarks/README.md, session 35). Only the top module is read, since modes change through it (Trainer's
-    train and eval, memfit's probes), never a submodule alone."""
+    benchmarks/results/lora_host_cost_cpu_mode_and_flops.json). Only the top module is read, since modes change
+    through it (Trainer's train and eval, memfit's probes), never a submodule alone."""
     if model.training == mode:
         return model
     return type(model).train(model, mode)
