@@ -103,7 +103,7 @@ def _health_request(uri: str) -> Any:
     import urllib.request
 
     parts = urllib.parse.urlsplit(uri.rstrip("/") + "/health")
-    host = parts.hostname + (f":{parts.port}" if parts.port else "") if parts.hostname else parts.netloc
+    host = parts.netloc.rsplit("@", 1)[-1]  # the credentials go as a header, not in the URL
     request = urllib.request.Request(urllib.parse.urlunsplit(parts._replace(netloc=host)))
     if parts.username is not None:
         secret = f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}"

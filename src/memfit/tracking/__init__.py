@@ -135,11 +135,11 @@ class MlflowTracker:
         self._logged_through = 0  # a resumed run's steps already in its history (from before it was stopped)
         if run_id:  # continue a run someone created (the sweeper, or an interrupted run being resumed)
             self.run_id = run_id
-            self._logged_through = max(
-                (m.step for m in self.client.get_metric_history(run_id, "train/loss")), default=0
-            )
+            before = self.client.get_run(run_id).data
+            if "train/loss" in before.metrics:  # a run that trained before: a resumed one (not a sweep's new trial)
+                self._logged_through = max(m.step for m in self.client.get_metric_history(run_id, "train/loss"))
             self.client.update_run(run_id, status="RUNNING", name=run_name)
-            if "memfit.reason" in self.client.get_run(run_id).data.tags:  # why it stopped before: no longer so
+            if "memfit.reason" in before.tags:  # why it stopped before: no longer so
                 self.client.delete_tag(run_id, "memfit.reason")
             self.set_tags(tags)
         else:
@@ -311,5 +311,6 @@ def start_tracking(
     tracker = open_run(
         cfg, run_name, {**tags, OWNER_TAG: f"{HOST}:{os.getpid()}"}, run_id=run_id or cfg.tracking.get("run_id")
     )
-    end_orphans(tracker.client, cfg.tracking.experiment)
+    if not cfg.tracking.parent_run_id:  # a sweep's trial: its sweeper ends what its trials leave (end_orphans)
+        end_orphans(tracker.client, cfg.tracking.experiment)
     return tracker
