@@ -123,20 +123,31 @@ def test_cfg_job_shows_the_policy_knobs():
     shown = OmegaConf.create(out.stdout)
     assert shown.memory.name == "tight"
     assert shown.memory.gradient_checkpointing is True
-    assert shown.memory.max_label_length == 64
+    assert shown.memory.max_label_length == "auto"
 
 
-def test_null_lengths_resolve_to_the_model_limit(compose_cfg):
-    cfg = compose_cfg("memory=off")
+@pytest.mark.parametrize("policy", ["off", "balanced", "tight", "qlora"])
+def test_every_policy_derives_its_lengths_and_null_or_auto_start_at_the_model_limit(compose_cfg, policy):
+    """auto (every policy's default) and null both start at the model's limit; auto's budget cut comes once the
+    model is measured (memfit.run.auto_lengths)."""
+    cfg = compose_cfg(f"memory={policy}")
+    assert (cfg.memory.max_source_length, cfg.memory.max_label_length) == ("auto", "auto")
     assert effective_lengths(cfg) == (512, 512)
-    cfg = compose_cfg("memory=off", "model=tiny_causal")
-    assert effective_lengths(cfg) == (1024, 1024)
+    assert effective_lengths(compose_cfg(f"memory={policy}", "model=tiny_causal")) == (1024, 1024)
+    nulls = compose_cfg(f"memory={policy}", "memory.max_source_length=null", "memory.max_label_length=null")
+    assert effective_lengths(nulls) == (512, 512)
 
 
 BAD = [
     (["memory.max_label_length=0"], "memory.max_label_length=0 must be > 0"),
     (["memory.max_source_length=-5"], "memory.max_source_length=-5 must be > 0"),
     (["memory.max_source_length=4096"], "memory.max_source_length=4096 exceeds minilm_bert2bert's 512 positions"),
+    (
+        ["memory.max_label_length=long"],
+        "memory.max_label_length='long' is not a length: set memory.max_label_length=auto (the model's limit, cut "
+        "only where the budget needs it), a number of tokens such as 512, or null (the model's limit)",
+    ),
+    (["memory.max_source_length=12.5"], "memory.max_source_length=12.5 is not a length"),
     (["trainer.batch_size=0"], "trainer.batch_size=0 must be > 0"),
     (["budget.gib=0"], "budget.gib=0 must be > 0"),
     (["budget.gib=-3"], "budget.gib=-3 must be > 0"),

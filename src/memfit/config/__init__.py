@@ -1,7 +1,9 @@
 """Configuration: the schema behind the YAML groups, the facts derived from it, and one-pass validation."""
 
 from memfit.config.schema import (
+    AUTO,
     GIB,
+    auto_lengths,
     effective_lengths,
     limit_bytes,
     limit_gib,
@@ -12,7 +14,9 @@ from memfit.config.schema import (
 from memfit.config.validate import ConfigError, validate
 
 __all__ = [
+    "AUTO",
     "GIB",
+    "auto_lengths",
     "ConfigError",
     "effective_lengths",
     "limit_bytes",

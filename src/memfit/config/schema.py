@@ -19,6 +19,7 @@ DATA_FORMATS = ("aclsum", "jsonl", "csv", "parquet", "hub")
 ACLSUM_SECTIONS = ("abstract", "introduction", "conclusion")
 ACLSUM_TARGETS = ("challenge", "approach", "outcome", "abstract")
 OVERLENGTH_POLICIES = ("truncate", "drop")
+AUTO = "auto"  # a max length that memfit derives: the model's limit, cut only where the budget needs it
 PRECISIONS = ("fp32", "bf16", "fp16")
 FROZEN_DTYPES = ("auto", "fp32", "bf16")
 WEIGHT_DTYPES = ("fp32", "bf16")
@@ -114,8 +115,9 @@ class MemoryConfig:
     """The knobs of a memory policy (conf/memory/*.yaml comments each one's trade-off)."""
 
     name: str = MISSING
-    max_source_length: int | None = knob(512, step=False, applied_by="data")  # None: the model's position limit
-    max_label_length: int | None = knob(128, step=False, applied_by="data")
+    # a length, "auto" (the model's limit, cut where the budget needs it: memfit.run.auto_lengths) or None (the limit)
+    max_source_length: Any = knob(AUTO, step=False, applied_by="data")
+    max_label_length: Any = knob(AUTO, step=False, applied_by="data")
     overlength: str = knob("truncate", step=False, applied_by="data")
     group_by_length: bool = knob(False, step=False, applied_by="trainer")
     pad_to_multiple_of: int | None = knob(None, step=False, applied_by="collator")
@@ -277,13 +279,20 @@ def register_configs() -> None:
     cs.store(name="train_schema", node=TrainConfig)
 
 
-def resolve_lengths(source: int | None, label: int | None, task: str, max_positions: int) -> tuple[int, int]:
-    """(max source, max label) tokens with null resolved to the model's position limit.
+def resolve_lengths(source: Any, label: Any, task: str, max_positions: int) -> tuple[int, int]:
+    """(max source, max label) tokens with null and auto resolved to the model's position limit (auto's budget cut
+    comes later, once the model is measured: memfit.run.auto_lengths).
 
     For a causal LM prompt and response share the positions, so null gives each half of them.
     """
     default = max_positions if task == "seq2seq" else max_positions // 2
-    return (default if source is None else int(source), default if label is None else int(label))
+    source_length, label_length = (default if n is None or n == AUTO else int(n) for n in (source, label))
+    return source_length, label_length
+
+
+def auto_lengths(memory: Any) -> tuple[bool, bool]:
+    """Whether the policy's (source, label) max lengths are `auto`."""
+    return memory.max_source_length == AUTO, memory.max_label_length == AUTO
 
 
 def effective_lengths(cfg: DictConfig) -> tuple[int, int]:

@@ -18,6 +18,7 @@ from memfit.config.local_model import (
     unresolved_problems,
 )
 from memfit.config.schema import (
+    AUTO,
     BATCHING,
     CALIBRATION_SETTINGS,
     DEVICES,
@@ -73,7 +74,24 @@ def _validate_model(cfg: DictConfig, problems: list[str]) -> None:
         _positive(problems, "model.lora.r", m.lora.r, "use a rank such as 8 or 16")
 
 
+def _is_length(value: Any) -> bool:
+    """A max length is a whole number of tokens, auto or null."""
+    return value is None or value == AUTO or (isinstance(value, int) and not isinstance(value, bool))
+
+
+def _length_type_problems(memory: DictConfig) -> list[str]:
+    return [
+        f"memory.{key}={value!r} is not a length: set memory.{key}=auto (the model's limit, cut only where the "
+        f"budget needs it), a number of tokens such as 512, or null (the model's limit)"
+        for key in ("max_source_length", "max_label_length")
+        if not _is_length(value := memory[key])
+    ]
+
+
 def _validate_lengths(cfg: DictConfig, problems: list[str]) -> None:
+    if types := _length_type_problems(cfg.memory):
+        problems += types
+        return
     limit = cfg.model.max_positions
     lengths = dict(zip(("max_source_length", "max_label_length"), effective_lengths(cfg), strict=True))
     for key, value in lengths.items():

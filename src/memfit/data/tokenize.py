@@ -223,8 +223,9 @@ def _batch_rows(batch_size: int, samples: int) -> int:
     return min(batch_size, samples)
 
 
-def load_and_tokenize(cfg: DictConfig, tokenizer: Any) -> PreparedData:
-    """The run's train/validation datasets, tokenized under the memory policy's lengths, with their audit."""
+def load_and_tokenize(cfg: DictConfig, tokenizer: Any, lengths: tuple[int, int] | None = None) -> PreparedData:
+    """The run's train/validation datasets, tokenized under the memory policy's lengths (or `lengths`, the (source,
+    label) cut that `auto` lengths came to: memfit.run.auto_lengths), with their audit."""
     from datasets import DatasetDict
     from datasets.utils.logging import disable_progress_bar, enable_progress_bar
 
@@ -236,7 +237,7 @@ def load_and_tokenize(cfg: DictConfig, tokenizer: Any) -> PreparedData:
     else:
         enable_progress_bar()
     pairs = load_pairs(cfg.data, cfg.model.task)
-    max_source, max_label = effective_lengths(cfg)
+    max_source, max_label = lengths or effective_lengths(cfg)
     spec = TokenizeSpec(cfg.model.task, max_source, max_label, cfg.memory.overlength, *_style(cfg.data, tokenizer))
     train = _tokenized(_cap(pairs["train"], cfg.data.max_train_samples), tokenizer, spec, cfg.data.tokenized_cache)
     source_raw, label_raw = np.asarray(train["source_len_raw"]), np.asarray(train["label_len_raw"])

@@ -15,7 +15,7 @@ import numpy as np
 from memfit.config import GIB
 from memfit.run.context import RunContext, TrainingSetup, WorstCase
 from memfit.run.plan_record import PLAN_FILE, plan_settings, save_plan, stored_plan
-from memfit.run.worst_case import budget_and_limit, calibrate, probe_setup
+from memfit.run.worst_case import budget_and_limit
 
 log = logging.getLogger("memfit")
 
@@ -193,9 +193,10 @@ def _proven_plan(
     return prove(plan, predict, measure, budget)
 
 
-def plan_batches(ctx: RunContext, setup: TrainingSetup) -> WorstCase:
-    """Size and prove the batch plan; a passing one is set on the collator. A plan that cannot hold some sample
-    fails the preflight with one line (the sample's lengths and the nearest way out)."""
+def plan_batches(ctx: RunContext, setup: TrainingSetup, probes: Any, calibration: Any) -> WorstCase:
+    """Size and prove the batch plan with `probes` (worst_case.probe_setup) and the memory model (worst_case.calibrate;
+    budget batching calibrates on every device); a passing plan is set on the collator. A plan that cannot hold some
+    sample fails the preflight with one line (the sample's lengths and the nearest way out)."""
     from memfit.data.audit import BatchShape, padded
     from memfit.memory.plan import PlanError
     from memfit.memory.preflight import PreflightReport
@@ -203,9 +204,7 @@ def plan_batches(ctx: RunContext, setup: TrainingSetup) -> WorstCase:
     from memfit.progress import progress_bar
 
     cfg = ctx.cfg
-    probes = probe_setup(ctx, setup)
     budget, limit = budget_and_limit(ctx)
-    calibration = calibrate(ctx, setup, probes)  # budget batching calibrates on every device (calibration.wanted)
     start = time.perf_counter()
     settings = plan_settings(cfg)  # before auto resolves
     source, label = _lengths(ctx)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import tempfile
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ from memfit.memory.policy import (
     resolve_device,
     resolve_loss,
 )
+from memfit.run.auto_lengths import fit_auto_lengths
 from memfit.run.batch_plan import plan_batches
 from memfit.run.context import RunContext, StartupClock, TrainingSetup, WorstCase
 from memfit.run.identity import find_resume_point, remember_run, run_name, run_tags
@@ -26,9 +28,11 @@ from memfit.run.save_phase import save_model
 from memfit.run.signals import Stopped, raise_if_stopped
 from memfit.run.state_bound import state_over_room
 from memfit.run.train_phase import prepare_training, train
-from memfit.run.worst_case import calibration_path, estimate, run_preflight
+from memfit.run.worst_case import calibrate, calibration_path, estimate, probe_setup, run_preflight
 
 log = logging.getLogger("memfit")
+
+DISK_FULL_BYTES = 16 * 1024**2  # below this much free, a failed write is taken for a full disk
 
 
 def _log_audit(ctx: RunContext, audit_seconds: float) -> None:
@@ -195,6 +199,17 @@ def _growth_past_preflight(report: RunReport, ctx: RunContext) -> None:
         )
 
 
+def _worst_case(ctx: RunContext, setup: TrainingSetup) -> WorstCase:
+    """The memory model, `auto` max lengths settled by it (the data cut anew where the budget needs it), then the
+    preflight: the batch plan proven, or the fixed batch's worst case."""
+    probes = probe_setup(ctx, setup)
+    calibration = calibrate(ctx, setup, probes)
+    if fit_auto_lengths(ctx, setup, probes, calibration):
+        _log_audit(ctx, ctx.clock.seconds.get("data", 0.0))
+    prove = plan_batches if ctx.cfg.trainer.batching == "budget" else run_preflight
+    return prove(ctx, setup, probes, calibration)
+
+
 def _phases(ctx: RunContext) -> tuple[RunReport, WorstCase, TrainingSetup | None]:
     """Model and Trainer, then estimate, preflight and training, as the config asks."""
     cfg, worst = ctx.cfg, WorstCase()
@@ -208,7 +223,7 @@ def _phases(ctx: RunContext) -> tuple[RunReport, WorstCase, TrainingSetup | None
     if cfg.estimate_only:
         return estimate(ctx, setup), worst, setup
     if cfg.preflight.enabled:
-        worst = plan_batches(ctx, setup) if cfg.trainer.batching == "budget" else run_preflight(ctx, setup)
+        worst = _worst_case(ctx, setup)
         ctx.clock.lap("preflight")
         if not worst.report.passed:
             return RunReport(status="preflight_failed", reason=worst.report.summary()), worst, setup
@@ -220,13 +235,35 @@ def _phases(ctx: RunContext) -> tuple[RunReport, WorstCase, TrainingSetup | None
     return report, worst, setup
 
 
-def _ended_by(err: BaseException) -> tuple[str, str]:
+def _disk_full(err: BaseException | None, output_dir: str) -> bool:
+    """Whether a full disk is what raised `err`: an ENOSPC in its chain, or, since torch.save's failure on a full
+    disk names only its stream ("iostream error"), an OS or runtime error while output_dir's disk is full."""
+    import shutil
+
+    first, seen = err, set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+            return True
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    try:
+        return isinstance(first, OSError | RuntimeError) and shutil.disk_usage(output_dir).free < DISK_FULL_BYTES
+    except OSError:
+        return False
+
+
+def _ended_by(err: BaseException, output_dir: str) -> tuple[str, str]:
     """(status, reason) of a run that an exception ended."""
     from memfit.training.callback import NonFiniteLoss, OverBudget
 
     if isinstance(err, KeyboardInterrupt):
         how = err.name if isinstance(err, Stopped) else "SIGINT"
         return "interrupted", f"killed: stopped by {how}; a checkpointed run continues with trainer.resume=true"
+    if _disk_full(err, output_dir):
+        return "disk_full", (
+            f"no space left on device while the run wrote (output_dir={output_dir}): free some disk, then "
+            "trainer.resume=true continues from the last checkpoint written whole"
+        )
     kinds = {NonFiniteLoss: "nan_loss", OverBudget: "over_budget"}
     status = "oom" if is_oom(err) else next((s for kind, s in kinds.items() if isinstance(err, kind)), "failed")
     first_line = str(err).splitlines()[0] if str(err) else ""
@@ -248,9 +285,9 @@ def run(cfg: DictConfig, callbacks: Sequence[Any] = ()) -> RunReport:
         if report.status == "ok" and setup is not None:
             saved = save_model(ctx, setup, report)
     except (Exception, KeyboardInterrupt) as err:
-        status, reason = _ended_by(err)
+        status, reason = _ended_by(err, cfg.output_dir)
         ctx.tracker.finish("KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED", reason)
-        if status in ("oom", "nan_loss", "over_budget"):
+        if status in ("oom", "nan_loss", "over_budget", "disk_full"):
             return RunReport(status=status, reason=reason, run_id=ctx.tracker.run_id, meter=ctx.meter.label)
         raise
     if report.status == "preflight_failed":

@@ -22,7 +22,10 @@ def _write_report(report: RunReport) -> None:
 
     if HydraConfig.initialized():
         path = Path(HydraConfig.get().runtime.output_dir) / "report.json"
-        path.write_text(json.dumps(report.to_dict(), indent=1))
+        try:
+            path.write_text(json.dumps(report.to_dict(), indent=1))
+        except OSError as err:  # a full or read-only disk: the outcome is still printed and in MLflow
+            print(f"memfit: warning: {path} not written: {err.strerror or err}", file=sys.stderr)
 
 
 def _in_multirun() -> bool:

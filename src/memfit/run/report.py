@@ -11,7 +11,7 @@ EXIT_BAD_INPUT, EXIT_RUN_FAILED, EXIT_PREFLIGHT_FAILED = 2, 1, 3
 
 @dataclass
 class RunReport:
-    status: str  # ok | oom | over_budget | preflight_failed | nan_loss | failed | invalid
+    status: str  # ok | oom | over_budget | preflight_failed | nan_loss | disk_full | failed | invalid
     reason: str | None = None
     objective: float | None = None  # tokens/s of training
     peak_allocated_gib: float | None = None

@@ -266,15 +266,14 @@ def _ways_out(ctx: RunContext, setup: TrainingSetup, measured: list[Any], limit:
     )
 
 
-def run_preflight(ctx: RunContext, setup: TrainingSetup) -> WorstCase:
-    """Probe the audit's worst batches under the budget and judge them; the report says whether they fit and, where
-    they do not, the ways out. Logged and recorded either way."""
+def run_preflight(ctx: RunContext, setup: TrainingSetup, probes: Any, calibration: Any) -> WorstCase:
+    """Probe the audit's worst batches under the budget with `probes` (probe_setup) and judge them, the memory model
+    (calibrate; None where not wanted) predicting beside them; the report says whether they fit and, where they do
+    not, the ways out. Logged and recorded either way."""
     from memfit.memory.preflight import PreflightReport, fits
 
     cfg = ctx.cfg
-    probes = probe_setup(ctx, setup)
     budget, limit = budget_and_limit(ctx)
-    calibration = calibrate(ctx, setup, probes)
     start = time.perf_counter()
     measured = _probe_worst(ctx, probes)
     for each in measured:  # what an OOM's batch needs, where the memory model can say
