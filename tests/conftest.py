@@ -93,6 +93,27 @@ def long_tail_jsonl(tmp_path) -> Path:
     return write_jsonl(tmp_path / "long_tail.jsonl", rows)
 
 
+@pytest.fixture
+def tmpfs(tmp_path) -> Iterator[Callable[[str], Path]]:
+    """tmpfs(options) → a tmpfs mounted under tmp_path with mount's options ("size=20m", "size=1m,ro"), unmounted
+    after the test: a real full or read-only disk (root writes past file permissions, not past a read-only mount).
+    Skips where this process cannot mount one (it needs root in a container)."""
+    mounted: list[Path] = []
+
+    def mount(options: str) -> Path:
+        point = tmp_path / f"tmpfs{len(mounted)}"
+        point.mkdir()
+        made = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)], capture_output=True)
+        if made.returncode != 0:
+            pytest.skip(f"a tmpfs cannot be mounted here ({made.stderr.decode().strip()}): needs root in a container")
+        mounted.append(point)
+        return point
+
+    yield mount
+    for point in mounted:
+        subprocess.run(["umount", "-l", str(point)], check=False)
+
+
 def save_checkpoint(compose_cfg, directory, model: str, vocab: int | None = None):
     """A tiny model's random weights and the bundled tokenizer, saved as save_pretrained writes a checkpoint. Read
     back beside a config.json, the tokenizer takes the architecture's class, which may add an end token: the

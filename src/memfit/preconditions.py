@@ -19,16 +19,23 @@ from omegaconf import DictConfig
 from memfit.config import GIB, ConfigError
 
 
-def check_output_dir(output_dir: str, min_free_gib: float) -> list[str]:
-    """output_dir can be created and written, and its disk has min_free_gib free (checkpoints, the MLflow store)."""
-    path = Path(output_dir)
+def _unwritable(path: Path) -> str | None:
+    """Why `path` cannot be created and written to, or None where it can."""
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".memfit-write-check-{uuid.uuid4().hex}"
         probe.write_bytes(b"ok")
         probe.unlink()
     except OSError as err:
-        return [f"output_dir={output_dir} is not writable ({err.strerror or err}): choose a writable output_dir"]
+        return str(err.strerror or err)
+    return None
+
+
+def check_output_dir(output_dir: str, min_free_gib: float) -> list[str]:
+    """output_dir can be created and written, and its disk has min_free_gib free (checkpoints, the MLflow store)."""
+    path = Path(output_dir)
+    if why := _unwritable(path):
+        return [f"output_dir={output_dir} is not writable ({why}): choose a writable output_dir"]
     free = shutil.disk_usage(path).free / GIB
     if free < min_free_gib:
         return [
@@ -167,9 +174,26 @@ def check_budget(cfg: DictConfig, device: str, device_bytes: int) -> list[str]:
     ]
 
 
+def check_cache_dirs(cfg: DictConfig) -> list[str]:
+    """The caches memfit writes beside output_dir, where set elsewhere: each can be created and written."""
+    caches = {"data.tokenized_cache": cfg.data.tokenized_cache, "calibration.cache_dir": cfg.calibration.cache_dir}
+    return [
+        f"{key}={value} is not writable ({why}): choose a writable directory, or {key}=null"
+        if key == "data.tokenized_cache"
+        else f"{key}={value} is not writable ({why}): choose a writable directory"
+        for key, value in caches.items()
+        if value and not _inside(Path(value), Path(cfg.output_dir)) and (why := _unwritable(Path(value)))
+    ]
+
+
+def _inside(path: Path, directory: Path) -> bool:
+    """Whether `path` lies under `directory` (whose own check covers it)."""
+    return path.resolve().is_relative_to(directory.resolve())
+
+
 def check_before_run(cfg: DictConfig) -> None:
     """The checks that need no device: raise ConfigError with every problem."""
-    problems = check_output_dir(cfg.output_dir, cfg.min_free_disk_gib)
+    problems = check_output_dir(cfg.output_dir, cfg.min_free_disk_gib) + check_cache_dirs(cfg)
     problems += check_tracking_uri(cfg.tracking) or check_tracking_server(cfg) or check_sqlite_store(cfg)
     problems += check_lora_targets(cfg)
     if problems:

@@ -174,3 +174,24 @@ def test_hydras_own_files_hold_no_password_of_a_url(tmp_path):
     assert {p.name for p in written} == {"config.yaml", "hydra.yaml", "overrides.yaml"}
     assert all("s3cret" not in p.read_text() for p in written)
     assert any("user:***@127.0.0.1" in p.read_text() for p in written)
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("output_dir={ro}/out", "memfit: error: output_dir={ro}/out is not writable (Read-only file system)"),
+        ("tracking.uri=sqlite:///{ro}/m.db", "memfit: error: tracking.uri=sqlite:///{ro}/m.db: the directory {ro}"),
+        (
+            "data.tokenized_cache={ro}/tok",
+            "memfit: error: data.tokenized_cache={ro}/tok is not writable (Read-only file system): choose a writable "
+            "directory, or data.tokenized_cache=null",
+        ),
+        ("calibration.cache_dir={ro}/cal", "memfit: error: calibration.cache_dir={ro}/cal is not writable"),
+    ],
+)
+def test_a_read_only_place_memfit_must_write_is_one_line(tmp_path, tmpfs, override, expected):
+    read_only_disk = tmpfs("size=1m,ro")
+    out = run_train_py(*FAST, f"output_dir={tmp_path / 'out'}", override.format(ro=read_only_disk), timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith(expected.format(ro=read_only_disk)), out.stderr[-1000:]

@@ -24,14 +24,17 @@ SETTINGS = [
 ]
 
 
+def long_tail_cfg(compose_cfg, data, *overrides: str, over_rss_gib: float | None = None):
+    """tiny_seq2seq on the long-tail JSONL on CPU; with `over_rss_gib`, a host budget of this process's resident set
+    plus that many GiB (no margin): what a batch adds to the process, whatever ran in it before."""
+    budget = []
+    if over_rss_gib is not None:
+        budget = [f"budget.gib={HostMeter().current_bytes() / GIB + over_rss_gib:.3f}", "budget.margin_gib=0"]
+    return compose_cfg(*SETTINGS, "data=jsonl", f"data.path={data}", *budget, *overrides)
+
+
 def test_auto_keeps_every_token_where_the_budget_holds_the_longest_samples(compose_cfg, long_tail_jsonl, caplog):
-    cfg = compose_cfg(
-        *SETTINGS,
-        "data=jsonl",
-        f"data.path={long_tail_jsonl}",
-        "preflight_only=true",
-        "preflight.max_search_seconds=1e-9",
-    )
+    cfg = long_tail_cfg(compose_cfg, long_tail_jsonl, "preflight_only=true", "preflight.max_search_seconds=1e-9")
     with caplog.at_level("INFO", logger="memfit"):
         report = run(cfg)
     assert report.status == "ok" and report.label_coverage == 1.0
@@ -46,15 +49,8 @@ def test_auto_cuts_a_long_tail_to_the_longest_the_budget_proves_and_trains(compo
     """A host budget of this process's resident set plus 0.45 GiB holds a batch of 8 short samples (~0.1 GiB of
     activations) but not the long tail's 300-token labels (~0.8 GiB): the labels are cut between the two, the
     cut batch is proven by the preflight, and the run trains on the cut data."""
-    budget = (HostMeter().current_bytes() / GIB) + 0.45
-    cfg = compose_cfg(
-        *SETTINGS,
-        "data=jsonl",
-        f"data.path={long_tail_jsonl}",
-        f"budget.gib={budget:.3f}",
-        "budget.margin_gib=0",
-        "trainer.max_steps=2",
-        "trainer.save_model=none",
+    cfg = long_tail_cfg(
+        compose_cfg, long_tail_jsonl, "trainer.max_steps=2", "trainer.save_model=none", over_rss_gib=0.45
     )
     with caplog.at_level("INFO", logger="memfit"):
         report = run(cfg)

@@ -675,6 +675,8 @@ def test_sigterm_stops_a_sweep_recording_its_trial_interrupted_and_the_rerun_mea
     study = optuna.load_study(study_name=name, storage=storage)
     retried = [t for t in study.trials if t.user_attrs.get("retry_of") == 0]
     assert len(retried) == 1 and retried[0].state == optuna.trial.TrialState.COMPLETE
+    measured = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(measured) == 1  # as many as the uninterrupted sweep of n_trials=1 measures: the stop cost no trial
     assert all(t.params["trainer.batch_size"] in choices for t in study.trials)
     parent = client.get_run(parent.info.run_id)  # the rerun finished the sweep's run: its stop is not why it ended
     assert parent.info.status == "FINISHED" and "memfit.reason" not in parent.data.tags

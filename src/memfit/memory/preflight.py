@@ -84,7 +84,9 @@ class PreflightReport:
         lines = []
         for each in self.probes:
             what = each.shape.describe(self.task)
-            if each.oom:
+            if each.not_run:
+                lines.append(f"  {each.phase} {what}: not probed: {each.not_run}")
+            elif each.oom:
                 needed, exact = self.needed_bytes(each)
                 how = (
                     f"needs ~{needed / GIB:.2f} GiB (memory model)"

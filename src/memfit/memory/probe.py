@@ -31,6 +31,7 @@ class Probe:
     static_bytes: int = 0  # allocated after the steps: weights + optimizer state
     attempted_bytes: int | None = None  # on OOM: what was in use plus what it tried to allocate
     predicted_bytes: int | None = None  # on OOM, with a calibrated memory model: the peak reserved it predicts
+    not_run: str | None = None  # a shape not probed, and why (on CPU: expected past the budget, memfit.run.worst_case)
     seconds: float = 0.0
     # training probes: the peak of forward + backward and the peak of the optimizer's step, apart (the memory model
     # fits the first over shapes; the second does not depend on the shape)

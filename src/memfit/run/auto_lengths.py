@@ -12,7 +12,7 @@ import numpy as np
 
 from memfit.config import GIB, auto_lengths, effective_lengths
 from memfit.run.context import RunContext, TrainingSetup
-from memfit.run.worst_case import budget_and_limit
+from memfit.run.worst_case import budget_and_limit, probe_within_host
 
 log = logging.getLogger("memfit")
 
@@ -47,7 +47,6 @@ def _choose(ctx: RunContext, probes: Any, calibration: Any, lengths: Any, batch:
     """The model's limit where its batch measures within the limit; else the cut the memory model chooses where it
     measures within the search's share of the limit, else the cut bisected on probes alone."""
     from memfit.data.length_cut import longest_cut, shapes_at
-    from memfit.memory.probe import probe
 
     cfg, (_, limit) = ctx.cfg, budget_and_limit(ctx)
     which, task, multiple = auto_lengths(cfg.memory), cfg.model.task, cfg.memory.pad_to_multiple_of
@@ -56,7 +55,7 @@ def _choose(ctx: RunContext, probes: Any, calibration: Any, lengths: Any, batch:
     def fits_measured(shapes: list[Any], within: int) -> bool:
         for shape in shapes:
             if shape not in measured:
-                measured[shape] = probe(probes, shape)[0]
+                measured[shape] = probe_within_host(ctx, probes, shape)[0]
         return all(not measured[s].oom and measured[s].judged_bytes <= within for s in shapes)
 
     full = (lengths.max_source, lengths.max_label)

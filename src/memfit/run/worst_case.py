@@ -161,9 +161,53 @@ def estimate(ctx: RunContext, setup: TrainingSetup) -> RunReport:
     )
 
 
+HOST_GUARD_ROWS = 16  # on CPU a batch of this many rows or more is scaled from one row before it is probed
+
+
+def _past_the_host(ctx: RunContext, probes: Any, shape: Any) -> Any:
+    """On CPU nothing stops an allocation but the kernel's OOM killer, which ends memfit with its MLflow run open: a
+    batch of many rows is first scaled from one row of its lengths (activations grow with the rows), and where that
+    expects more than the budget (at most the host's free memory) it is not probed; the Probe says so. None where it
+    may be probed."""
+    from memfit.data.audit import BatchShape
+    from memfit.memory.probe import Probe, probe
+
+    if ctx.device != "cpu" or shape.batch < HOST_GUARD_ROWS:
+        return None
+    one = probe(probes, BatchShape(1, shape.source, shape.label))[0]
+    budget, _ = budget_and_limit(ctx)
+    if one.oom:
+        return None
+    expected = one.static_bytes + max(one.peak.reserved - one.static_bytes, 0) * shape.batch
+    if expected <= budget:
+        return None
+    reason = (
+        f"one row of these lengths measured {one.peak.reserved / GIB:.2f} GiB, so {shape.batch} rows are expected to "
+        f"need ~{expected / GIB:.2f} GiB, past the {budget / GIB:.2f} GiB this host's budget holds"
+    )
+    return Probe(
+        shape,
+        "train",
+        None,
+        static_bytes=one.static_bytes,
+        attempted_bytes=expected,
+        predicted_bytes=expected,
+        not_run=reason,
+    )
+
+
+def probe_within_host(ctx: RunContext, probes: Any, shape: Any, eval_shape: Any = None) -> list[Any]:
+    """The probe of `shape` (and `eval_shape` after it), or on CPU, where its rows scaled from one row are expected
+    past the budget, the Probe that says so without running it."""
+    from memfit.memory.probe import probe
+
+    if (past := _past_the_host(ctx, probes, shape)) is not None:
+        return [past]
+    return probe(probes, shape, eval_shape)
+
+
 def _probe_worst(ctx: RunContext, probes: Any) -> list[Any]:
     """Each of the audit's worst training shapes (the first with the worst eval batch after it), with progress."""
-    from memfit.memory.probe import probe
     from memfit.progress import progress_bar
 
     audit, task = ctx.prepared.audit, ctx.cfg.model.task
@@ -172,7 +216,7 @@ def _probe_worst(ctx: RunContext, probes: Any) -> list[Any]:
     with progress_bar("preflight", len(audit.worst_train)) as show:
         for index, shape in enumerate(audit.worst_train):
             show(note=f"train {shape.describe(task)}")
-            measured += probe(probes, shape, eval_shape if index == 0 else None)
+            measured += probe_within_host(ctx, probes, shape, eval_shape if index == 0 else None)
             show(advance=1)
     return measured
 
@@ -183,6 +227,7 @@ def _max_batch(ctx: RunContext, probes: Any, report: Any, calibration: Any) -> t
     model's prediction where there is one; and, where the search reached that cap, what the cap was, or where not
     even batch 1 fits, what it needs."""
     from memfit.memory.batch_search import find_max_batch
+    from memfit.memory.probe import probe
     from memfit.progress import progress_bar
 
     audit = ctx.prepared.audit
@@ -191,6 +236,8 @@ def _max_batch(ctx: RunContext, probes: Any, report: Any, calibration: Any) -> t
     upper = min(ctx.cfg.preflight.max_batch_limit, samples)
     measured: dict[int, Any] = {}
     bound = ctx.cfg.preflight.max_search_seconds
+    if ctx.device == "cpu" and ctx.cfg.trainer.batch_size >= HOST_GUARD_ROWS:  # the search's first probe scales from it
+        measured[1] = probe(probes, audit.worst_at(1))[0]
     predicted = None
     if calibration is not None:
         predicted = max(1, calibration.largest_batch(worst_shape.source, worst_shape.label, report.limit_bytes, upper))
