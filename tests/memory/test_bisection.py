@@ -1,25 +1,24 @@
-"""The largest batch that fits, searched from a guess near the answer: the same answer as plain bisection, in few
-calls where the guess is close."""
+"""The largest batch that fits, by bisection: the answer a scan of every batch gives, in a logarithm of the calls."""
 
 from __future__ import annotations
 
+import math
 import random
 
-from memfit.memory.bisection import largest_fitting, largest_fitting_near
+from memfit.memory.bisection import largest_fitting
 
 
-def test_a_search_from_any_guess_finds_what_bisection_finds_and_asks_little_near_the_answer():
+def test_bisection_finds_what_a_scan_finds_in_few_calls():
     rng = random.Random(0)
     for _ in range(2000):
-        answer, upper = rng.randint(0, 300), rng.randint(0, 400)
-        guess = rng.randint(0, upper)
+        upper = rng.randint(0, 400)
+        answer, lower = rng.randint(0, upper), 0
         asked: list[int] = []
 
         def fits(batch: int, answer: int = answer, asked: list[int] = asked) -> bool:
             asked.append(batch)
             return batch <= answer
 
-        assert largest_fitting_near(fits, guess, upper) == largest_fitting(lambda b, answer=answer: b <= answer, upper)
-        assert all(0 < batch <= upper for batch in asked)  # never 0 rows (they always fit), never past the cap
-        if 0 < answer < upper and abs(guess - answer) <= 2:
-            assert len(asked) <= 5
+        assert largest_fitting(fits, upper, lower) == max(b for b in range(lower, upper + 1) if b <= answer)
+        assert all(lower < batch <= upper for batch in asked)  # `lower` is taken to fit, never past the cap
+        assert len(asked) <= math.ceil(math.log2(upper + 1)) + 1

@@ -45,7 +45,6 @@ def test_calibration_probes_once_then_comes_from_the_cache(compose_cfg, tmp_path
     assert probed == calibration_shapes(arch, 512, cfg.memory.pad_to_multiple_of) and not first.from_cache
     assert len(first.probes) == 6 and all(p["allocated"] > 0 and p["step_allocated"] > 0 for p in first.probes)
     assert first.fit.reserved_ratio > 0 and first.fit.step_allocated == max(p["step_allocated"] for p in first.probes)
-    assert first.reserved_by == "fitted ratio" and first.replay is None  # the host has no caching allocator
     assert fit_peak(arch, first.probes) == first.fit  # the file's probes refit to its model (benchmarks refit them)
     files = list((tmp_path / "cal").glob("*.json"))
     assert [f.stem for f in files] == [first.key]
@@ -531,56 +530,3 @@ def _calibration_of(probes: list[dict], arch: Architecture, fit) -> Calibration:
     from memfit.memory.state import ModelStateBytes
 
     return Calibration("k", {}, arch, ModelStateBytes(1, 0, 0), fit, probes)
-
-
-def _replayed_calibration() -> Calibration:
-    """A calibration whose reserved comes from replaying made-up probes (test_allocation_program's), with a fitted
-    model far below them (1 MB plus a byte a token)."""
-    from memfit.memory.allocation_program import ReservedByReplay
-    from tests.memory.test_allocation_program import FRAMELESS, PROBED, _recorded
-
-    arch = Architecture("causal", 151936, 0, 24, 14, quadratic_attention=False)
-    probes = _probes(lambda tokens: 1e6 + tokens, arch)
-    calibration = _calibration_of(probes, arch, fit_peak(arch, probes, checkpointed=True))
-    calibration.replay, calibration.reserved_by = ReservedByReplay.fit(_recorded(PROBED), FRAMELESS), "replay"
-    return calibration
-
-
-def test_where_reserved_is_replayed_the_estimate_and_the_largest_batch_follow_the_replay():
-    calibration = _replayed_calibration()
-    shape = BatchShape(6, 640, 96)
-    assert calibration.estimate(shape).reserved == calibration.replay.reserved((6, 640, 96))
-    fitted = replace(calibration, replay=None)
-    assert fitted.estimate(shape).reserved < calibration.estimate(shape).reserved / 10
-    limit = calibration.estimate(BatchShape(40, 640, 96)).reserved
-    batch = calibration.largest_batch(640, 96, limit)
-    assert calibration.estimate(BatchShape(batch, 640, 96)).reserved <= limit
-    assert calibration.estimate(BatchShape(batch + 1, 640, 96)).reserved > limit
-    assert fitted.largest_batch(640, 96, limit) > 10 * batch  # the fitted model alone would have said far more
-
-
-def test_a_replayed_calibration_reads_back_whole_and_a_damaged_replay_file_is_fitted_again(tmp_path):
-    from memfit.memory.calibration import load_cached, replay_path
-
-    calibration = _replayed_calibration()
-    calibration.save(tmp_path / "k.json")
-    again = load_cached(tmp_path, "k")
-    assert again.from_cache and again.reserved_by == "replay"
-    for shape in (BatchShape(6, 640, 96), BatchShape(32, 2048, 512)):
-        assert again.estimate(shape) == calibration.estimate(shape)
-    replay_path(tmp_path / "k.json").write_bytes(b"PK\x03\x04 not a zip")
-    assert load_cached(tmp_path, "k") is None  # refitted, not trusted
-    replay_path(tmp_path / "k.json").unlink()
-    assert load_cached(tmp_path, "k") is None
-
-
-def test_reserved_is_replayed_for_checkpointed_models_on_cuda_with_expandable_segments(compose_cfg, monkeypatch):
-    from memfit.memory.calibration_probes import replays_reserved
-
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)  # an earlier run's policy, set in this process
-
-    on = compose_cfg("memory=balanced", "memory.gradient_checkpointing=true")
-    assert on.memory.expandable_segments and replays_reserved(on, "cuda")
-    assert not replays_reserved(on, "cpu")  # host memory has no caching allocator to replay
-    assert not replays_reserved(compose_cfg("memory=balanced", "memory.gradient_checkpointing=false"), "cuda")
-    assert not replays_reserved(compose_cfg("memory=off", "memory.gradient_checkpointing=true"), "cuda")

@@ -89,16 +89,3 @@ def test_a_trial_a_retry_stands_in_for_does_not_count_toward_n_trials():
     assert proposals.over_quota(_trial(4, {"trainer.batch_size": 4}, "ok", -1.0), [*started, retry], n_trials=3)
 
 
-def test_a_fast_ranking_shortlists_and_the_costly_prediction_judges_the_fullest_fit():
-    candidates = [{"b": b} for b in (1, 2, 3, 4, 5, 6, 8)]
-    fitted = {1: 0.6, 2: 1.5, 3: 2.3, 4: 3.1, 5: 3.9, 6: 4.3, 8: 6.0}  # the fitted model reads high
-    replayed = {1: 0.5, 2: 1.4, 3: 2.2, 4: 2.9, 5: 3.6, 6: 3.95, 8: 5.5}
-    judged = []
-
-    def costly(params):
-        judged.append(params["b"])
-        return replayed[params["b"]]
-
-    pick = proposals.fullest_fit(candidates, costly, 4.0, lambda p: False, ranked_gib=lambda p: fitted[p["b"]])
-    assert pick == (3.95, {"b": 6})  # over the limit by the fitted model, within it as replayed
-    assert sorted(judged) == [5, 6]  # 8 ranked past the limit's 10% slack; 4 and less, over 10% below the best

@@ -8,15 +8,10 @@ A probe is the preflight's own measurement (forward, backward and optimizer step
 shape), so a calibrated model predicts what the preflight would measure: peak allocated and peak reserved. The fit
 is over the forward + backward peaks; the optimizer step's peak, which no batch shape changes, is kept apart as a
 floor (the larger of the two is the step's peak); reserved is allocated times the allocator overhead the probes saw,
-plus what the allocator keeps cached per byte of logits.
-
-Reserved of a checkpointed model on CUDA with expandable segments is predicted by replay instead: the probes run
-under the allocator's history recording (memory.allocator_history), their events become programs of the shape
-(memory.allocation_program.ReservedByReplay), and a shape's reserved is the caching allocator's, replayed on the
-host (memory.allocator). On run 18's checkpointed shapes the fitted ratio missed reserved by up to 5.5%, the replay
-by 2.5% (benchmarks/README.md, "Run 19"); without checkpointing the backward is one long run of allocations without
-Python frames, which the replay's alignment follows less well than the fitted ratio does. The programs are kept
-beside the calibration's JSON (`<key>.replay.npz`).
+plus what the allocator keeps cached per byte of logits: on 69 held-apart shapes of five architectures within 3.6%
+of measured reserved, median 0.7% (`predicted_reserved_fitted_ratio` in benchmarks/results/memory_model_run20_*).
+Every decision memfit sizes from it (a batch plan, the preflight's ways out, a sweep's tells) measures what it
+settles on, or keeps a margin.
 """
 
 from __future__ import annotations
@@ -34,10 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from memfit.config.schema import memory_knobs, step_accumulates
 from memfit.data.audit import BatchShape
-from memfit.memory.allocation_program import ReservedByReplay
-from memfit.memory.allocator_history import site_table
-from memfit.memory.bisection import largest_fitting_near
-from memfit.memory.calibration_probes import fit_replay, measure_probes, replays_reserved
+from memfit.memory.calibration_probes import measure_probes
 from memfit.memory.model import (
     COUNTED_TERMS,
     WINDOW_TERMS,
@@ -59,11 +51,11 @@ from memfit.memory.state import ModelStateBytes
 
 log = logging.getLogger(__name__)
 
-FORMAT = 13  # bump when what a calibration file holds or how it is fitted changes: old files are then not reused
+FORMAT = 14  # bump when what a calibration file holds or how it is fitted changes: old files are then not reused
 # 7: probe batches carry a padding mask; 8: fused AdamW on CUDA; 9: the forward as accelerate wraps it for training;
 # 10: six probes, to the most tokens, T5's cross-attention scores; 11: two lines in tokens, checkpointed causal LMs;
 # 12: their probes at six token counts, and every checkpointed seq2seq model fitted window by window;
-# 13: reserved by replaying the allocator's recorded events (checkpointed models on CUDA)
+# 13: reserved by replaying the allocator's recorded events (checkpointed models on CUDA); 14: no replay
 # the memory knobs that change what a step holds for a given shape (their Knob.step; lengths and padding do not)
 POLICY_KNOBS = tuple(name for name, knob in memory_knobs().items() if knob.step)
 
@@ -86,36 +78,19 @@ class Calibration:
     fit: FittedPeak
     probes: list[dict[str, Any]] = field(default_factory=list)  # shape and measured peaks of each probe
     seconds: float = 0.0
-    reserved_by: str = "fitted ratio"  # or "replay", where `replay` predicts reserved (kept beside the JSON)
     from_cache: bool = False
-    replay: ReservedByReplay | None = None
 
     def estimate(self, shape: BatchShape) -> PeakEstimate:
-        peak = self.estimate_fitted(shape)
-        if self.replay is None:
-            return peak
-        replayed = self.replay.reserved((shape.batch, shape.source, shape.label))
-        return replace(peak, reserved=max(replayed, peak.allocated))
-
-    def estimate_fitted(self, shape: BatchShape) -> PeakEstimate:
-        """The fitted model's estimate alone (reserved by the fitted ratio, never replayed: ~1 µs, where a replay
-        takes ~0.1 s), for searches over hundreds of shapes that measure what they settle on (a batch plan)."""
+        """The predicted peaks of a training step on `shape` (~1 µs: searches ask hundreds of shapes)."""
         return estimate_peak(shape.batch, shape.source, shape.label, self.architecture, self.state, self.fit)
 
     def largest_batch(self, source: int, label: int, limit: int, upper: int = 4096) -> int:
-        """The largest batch predicted to keep peak *reserved* (what the preflight judges) within `limit`: by the
-        fitted model, then, where reserved is replayed, settled by replays near that answer (each takes ~0.1 s)."""
-        fitted = largest_batch(self.fit, source, label, self.architecture, limit, upper)
-        if self.replay is None:
-            return fitted
-        return largest_fitting_near(
-            lambda batch: self.estimate(BatchShape(batch, source, label)).reserved <= limit, fitted, upper
-        )
+        """The largest batch predicted to keep peak *reserved* (what the preflight judges) within `limit`."""
+        return largest_batch(self.fit, source, label, self.architecture, limit, upper)
 
     def to_json(self) -> str:
-        data = asdict(replace(self, replay=None))
+        data = asdict(self)
         data.pop("from_cache")
-        data.pop("replay")
         return json.dumps(data, indent=1)
 
     @classmethod
@@ -134,39 +109,15 @@ class Calibration:
             ),
             probes=data["probes"],
             seconds=data["seconds"],
-            reserved_by=data["reserved_by"],
         )
 
     def save(self, path: Path) -> None:
-        """The JSON at `path` and, where reserved is replayed, its programs beside it (REPLAY_SUFFIX)."""
-        if self.replay is not None:
-            import numpy as np
-
-            np.savez_compressed(replay_path(path), **self.replay.to_arrays())
         path.write_text(self.to_json())
 
     @classmethod
     def load(cls, path: Path) -> Calibration:
-        """What `save` wrote. Raises OSError or ValueError where the file or its replay's is missing or damaged."""
-        calibration = cls.from_json(path.read_text())
-        if calibration.reserved_by == "replay":
-            import zipfile
-
-            import numpy as np
-
-            try:
-                with np.load(replay_path(path)) as arrays:
-                    calibration.replay = ReservedByReplay.from_arrays(arrays)
-            except (zipfile.BadZipFile, EOFError, KeyError) as err:
-                raise ValueError(f"{replay_path(path)}: {err}") from err
-        return calibration
-
-
-REPLAY_SUFFIX = ".replay.npz"
-
-
-def replay_path(path: Path) -> Path:
-    return path.with_suffix(REPLAY_SUFFIX)
+        """What `save` wrote. Raises OSError or ValueError where the file is missing or damaged."""
+        return cls.from_json(path.read_text())
 
 
 def library_versions(cfg: DictConfig) -> dict[str, str]:
@@ -350,13 +301,10 @@ def _fit_and_cache(
     if branches:
         setup = replace(setup, split_branches=True)
     start = time.perf_counter()
-    replays = replays_reserved(cfg, setup.device)
     for tokens, scale in probe_plan(cfg, arch):
         multiple, positions = cfg.memory.pad_to_multiple_of, cfg.model.max_positions
         shapes = calibration_shapes(arch, tokens, multiple, scale, positions, checkpointed)
-        sites = site_table() if replays else None
-        probed = measure_probes(setup, shapes, on_probe, sites)
-        measured = probed.rows
+        measured = measure_probes(setup, shapes, on_probe)
         if len(measured) == len(shapes):
             break
         log.warning("memory model: a calibration probe did not fit the budget; probing smaller shapes")
@@ -377,16 +325,13 @@ def _fit_and_cache(
         )
         return None
     calibration = Calibration(key, ident, arch, state, fit, measured)
-    if replays and (replay := fit_replay(probed, shapes)) is not None:
-        calibration.replay, calibration.reserved_by = replay, "replay"
     calibration.seconds = time.perf_counter() - start
     cache_dir.mkdir(parents=True, exist_ok=True)
     calibration.save(cache_dir / f"{key}.json")
     log.info(
-        "memory model: calibrated %s from %d probes in %.1f s (reserved by %s)",
+        "memory model: calibrated %s from %d probes in %.1f s",
         key,
         len(measured),
         calibration.seconds,
-        calibration.reserved_by,
     )
     return calibration

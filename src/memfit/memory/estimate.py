@@ -139,5 +139,5 @@ def estimate(
     result.largest_batch = calibration.largest_batch(source, label, limit, upper)
     how = "reused from its cache" if calibration.from_cache else f"fitted from {len(calibration.probes)} probes"
     device = calibration.identity["device"]
-    result.calibration = f"{calibration.key} on {device}, {how}; reserved by {calibration.reserved_by}"
+    result.calibration = f"{calibration.key} on {device}, {how}"
     return result

@@ -65,7 +65,7 @@ def _choose(ctx: RunContext, probes: Any, calibration: Any, lengths: Any, batch:
     if calibration is not None:
 
         def fits_predicted(shapes: list[Any]) -> bool:
-            return all(calibration.estimate_fitted(shape).reserved <= search for shape in shapes)
+            return all(calibration.estimate(shape).reserved <= search for shape in shapes)
 
         predicted = longest_cut(lengths, which, batch, task, multiple, fits_predicted)
         if predicted is not None and fits_measured(shapes_at(lengths, predicted, batch, task, multiple), search):

@@ -141,7 +141,7 @@ def _predictor(calibration: Any, longest: Any, task: str, measure: Any, budget: 
     from memfit.memory.plan import scaled_predictor
 
     if calibration is not None:  # the fitted model: a plan asks for hundreds of shapes and measures its cells
-        return lambda shape: calibration.estimate_fitted(shape).reserved
+        return lambda shape: calibration.estimate(shape).reserved
     log.info("batch plan: no memory model; sizes scaled from two probes of %s", longest.describe(task))
     return scaled_predictor(measure(longest), measure(BatchShape(2, longest.source, longest.label)), budget)
 

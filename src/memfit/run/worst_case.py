@@ -88,7 +88,7 @@ def calibrate(ctx: RunContext, setup: TrainingSetup, probes: Any) -> Any:
                 on_probe=lambda shape: show(advance=1, note=shape.describe(cfg.model.task)),
             )
     if calibration is not None:
-        ctx.tracker.log_params({"memfit.calibration": calibration.key, "memfit.reserved_by": calibration.reserved_by})
+        ctx.tracker.log_params({"memfit.calibration": calibration.key})
         ctx.tracker.log_facts({"calibration/seconds": 0.0 if calibration.from_cache else calibration.seconds})
     return calibration
 
@@ -305,9 +305,8 @@ def _ways_out(ctx: RunContext, setup: TrainingSetup, measured: list[Any], limit:
         max_source=audit.max_source_length,
         trainable_params=setup.built.trainable_params,
         lora_enabled=cfg.model.lora.enabled,
-        # the fitted model: a shorter length is searched 8 tokens at a time, hundreds of shapes where a replay each
-        # would take minutes; the rerun's preflight measures what the way out promises
-        predict=(lambda shape: calibration.estimate_fitted(shape).reserved) if calibration else None,
+        # a shorter length is searched 8 tokens at a time; the rerun's preflight measures what the way out promises
+        predict=(lambda shape: calibration.estimate(shape).reserved) if calibration else None,
         min_coverage=cfg.preflight.min_coverage,
         savings=_knob_savings(ctx, setup.built.model),
     )

@@ -85,9 +85,8 @@ class MemoryPredictor:
         batch = 1 if self._budget_shaped(params) else int(params.get(BATCH, self.config.trainer.batch_size))
         return self.lengths.worst_batches(batch, source, label, memory.pad_to_multiple_of)
 
-    def predicted_gib(self, params: dict[str, Any], fitted: bool = False) -> tuple[float, Any, int] | None:
-        """(peak reserved GiB of the worst batch, calibration, trial it came from), or None without a calibration;
-        `fitted`: by the fitted model alone, never replayed (Calibration.estimate_fitted), for ranking many."""
+    def predicted_gib(self, params: dict[str, Any]) -> tuple[float, Any, int] | None:
+        """(peak reserved GiB of the worst batch, calibration, trial it came from), or None without a calibration."""
         found = self.calibrations.get(self.signature(params))
         if found is None:
             return None
@@ -95,8 +94,7 @@ class MemoryPredictor:
         shapes = self.worst_batches(params)
         if not shapes:
             return None
-        estimate = calibration.estimate_fitted if fitted else calibration.estimate
-        peak = max(estimate(shape).reserved for shape in shapes)
+        peak = max(calibration.estimate(shape).reserved for shape in shapes)
         return peak / GIB, calibration, source_trial
 
     def over_budget(self, params: dict[str, Any], budget_gib: float | None) -> tuple[dict, dict] | None:

@@ -115,38 +115,21 @@ def fullest_fit(
     predicted_gib: Callable[[dict[str, Any]], float | None],
     limit_gib: float,
     is_known: Callable[[dict[str, Any]], bool],
-    ranked_gib: Callable[[dict[str, Any]], float | None] | None = None,
-    slack: float = 0.1,
 ) -> tuple[float, dict[str, Any]] | None:
     """The candidate predicted to fill the most of the limit without passing it, whose outcome is not known yet.
     None where some candidate whose outcome is unknown has no prediction yet: a part of the space no calibration
     predicts (another policy, or a step without accumulation) may hold a fuller fit, so the sampler proposes until a
-    trial there has calibrated it too.
-
-    `ranked_gib`, where given, is a fast prediction (the fitted model) that ranks every candidate, and the costly
-    `predicted_gib` (a replay of the allocator, ~0.1 s a shape) judges only those ranked within `slack` (a share,
-    the sweep's predict_margin) of the limit and of the fullest fit judged so far, fullest first."""
-    rank = ranked_gib or predicted_gib
-    ranked, unpredicted = [], []
+    trial there has calibrated it too."""
+    fitting, unpredicted = [], []
     for params in candidates:
-        gib = rank(params)
+        gib = predicted_gib(params)
         if gib is None:
             unpredicted.append(params)
-        elif gib <= limit_gib * (1 + (slack if ranked_gib else 0.0)) and not is_known(params):
-            ranked.append((gib, params))
+        elif gib <= limit_gib and not is_known(params):
+            fitting.append((gib, params))
     if any(not is_known(params) for params in unpredicted):
         return None
-    ranked.sort(key=lambda row: row[0], reverse=True)
-    if ranked_gib is None:
-        return ranked[0] if ranked else None
-    best = None
-    for fast, params in ranked:
-        if best is not None and fast < best[0] * (1 - slack):  # too far below the best to pass it
-            break
-        gib = predicted_gib(params)
-        if gib is not None and gib <= limit_gib and (best is None or gib > best[0]):
-            best = (gib, params)
-    return best
+    return max(fitting, key=lambda row: row[0], default=None)
 
 
 def measured(trials: list[Any]) -> list[Any]:

@@ -145,8 +145,8 @@ class TrialTeller:
         study.enqueue_trial(params, user_attrs={"explored": True})
         return True
 
-    def _predicted_gib(self, params: dict[str, Any], fitted: bool = False) -> float | None:
-        predicted = self.predictor.predicted_gib(params, fitted)
+    def _predicted_gib(self, params: dict[str, Any]) -> float | None:
+        predicted = self.predictor.predicted_gib(params)
         return None if predicted is None else predicted[0]
 
     def queue_fullest_fit(self, study: Any, space: dict[str, Any]) -> bool:
@@ -172,8 +172,6 @@ class TrialTeller:
                 self._predicted_gib,
                 limit,
                 lambda p: self.known_outcome(study, p) is not None,
-                ranked_gib=lambda p: self._predicted_gib(p, fitted=True),
-                slack=self.predictor.margin,
             )
             if found is None:
                 return False
