@@ -87,5 +87,3 @@ def test_a_trial_a_retry_stands_in_for_does_not_count_toward_n_trials():
     assert [t.number for t in proposals.measured([*started, retry])] == [0, 2, 3]
     assert not proposals.over_quota(_trial(4, {"trainer.batch_size": 4}, "ok", -1.0), [*started, retry], n_trials=4)
     assert proposals.over_quota(_trial(4, {"trainer.batch_size": 4}, "ok", -1.0), [*started, retry], n_trials=3)
-
-

@@ -14,4 +14,3 @@ def largest_fitting(fits: Callable[[int], bool], upper: int, lower: int = 0) -> 
         middle = (low + high + 1) // 2
         low, high = (middle, high) if fits(middle) else (low, middle - 1)
     return low
-
