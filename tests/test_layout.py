@@ -82,3 +82,21 @@ def test_no_function_is_over_about_60_lines_unless_its_docstring_says_why():
                 length = node.end_lineno - node.lineno + 1
                 why = "over 60 lines" in (ast.get_docstring(node) or "")
                 assert length <= 65 or why, f"{path.relative_to(ROOT)}:{node.lineno} {node.name} has {length} lines"
+
+
+def test_comments_name_the_result_file_behind_a_figure_never_a_session_run_or_card():
+    """A figure in memfit's comments names the results file that holds it, and that file exists; history (sessions,
+    numbered runs, which card) stays in git and in the result files' names."""
+    import glob
+    import re
+
+    problems = []
+    for path in sorted(SRC.rglob("*.py")):
+        text = path.read_text()
+        for ref in re.findall(r"benchmarks/results/[\w.*-]+", text):
+            if not glob.glob(str(ROOT / ref.rstrip(".,;)"))):
+                problems.append(f"{path.relative_to(ROOT)}: {ref} does not exist")
+        prose = re.sub(r"benchmarks/results/\S+", "", text)
+        for found in re.findall(r"\b[Ss]ession \d+|\b[Rr]un \d+\b|\bH[12]00\b|benchmarks/README", prose):
+            problems.append(f"{path.relative_to(ROOT)}: {found!r}")
+    assert not problems, "\n".join(problems)

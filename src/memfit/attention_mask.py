@@ -3,9 +3,9 @@
 transformers hands scaled-dot-product attention a boolean (batch, 1, queries, keys) mask wherever a batch is padded
 (the worst batch always is). torch turns a boolean mask into an additive one in the query's dtype inside every
 attention call, and the memory-efficient kernel keeps that copy for its backward pass: each layer keeps its own
-batch × queries × keys tensor. On CPU the test suite counts them (one float copy per layer); on an H200 the memory
-model's fit for qwen2_5_0_5b and qwen2_5_1_5b found 48 and 57 bytes per batch × length² (benchmarks/README.md, run
-14): two bytes, one bf16 copy, for each of their 24 and 28 layers.
+batch × queries × keys tensor. On CPU the test suite counts them (one float copy per layer); on a GPU the memory
+model's fit for qwen2_5_0_5b and qwen2_5_1_5b found 48 and 57 bytes per batch × length²
+(benchmarks/results/memory_model_run14_chunked.json): two bytes, one bf16 copy, for each of their 24 and 28 layers.
 
 Here the model's attention implementation is transformers' own SDPA under another name, whose mask function makes the
 additive mask once, in the dtype the queries will have (autocast's where it is on), with its rows padded to 16

@@ -258,7 +258,8 @@ def meta_model(model_cfg: DictConfig) -> Any:
 def stored_dtype(model_cfg: DictConfig, memory: DictConfig) -> str:
     """The dtype the model's weights are stored in: a full fine-tune's memory.weights_dtype; under LoRA, whose base
     weights are frozen and need no fp32 master copy, memory.frozen_dtype, where auto is bf16 when the step runs in
-    bf16 autocast (on an H200, qwen2_5_1_5b LoRA at 1 × 2048 under 24 GiB: 19.72 -> 13.98 GiB peak, issue 26)."""
+    bf16 autocast (qwen2_5_1_5b LoRA at 1 × 2048 under 24 GiB: 19.72 -> 13.98 GiB peak,
+    benchmarks/results/step_variants_h200_session27.json)."""
     if not model_cfg.lora.enabled:
         return memory.weights_dtype
     if memory.frozen_dtype == "auto":
@@ -317,7 +318,7 @@ def build_model(cfg: DictConfig, tokenizer: Any, device: str) -> BuiltModel:
 # the norms' float32 copies of the hidden states, and the MLP's gate and up projections, the gate's SiLU and their
 # product, each tokens × intermediate size. Liger's RMSNorm keeps only its input and the inverse RMS; its SwiGLU keeps
 # the two projections and recomputes the SiLU and the product in the backward pass. For qwen2_5_1_5b LoRA at 4 × 2048
-# that is the largest part of the activations (benchmarks/README.md, step_variants_gpu.py).
+# that is the largest part of the activations (benchmarks/results/step_variants_h200_session21_liger_layers.json).
 #
 # Liger patches a model instance's modules in place, and also swaps its family's RMSNorm and MLP classes in the
 # transformers module, which would change every model of that family built later in the process (a sweep's in-process

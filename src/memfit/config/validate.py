@@ -281,7 +281,7 @@ def expandable_segments_problem() -> str:
     """Budget-shaped batches meet dozens of shapes an epoch. Without expandable segments the allocator carves a new
     segment for a request no cached block fits and splits cached ones for smaller requests, so free memory scatters
     over segments that live tensors pin and reserved memory outgrows what the preflight proved: a proven plan OOMed
-    at step 25, twice (pegasus_large, memory=off, 24 GiB, an H100), and trained its epoch with them 0.21 GiB under
+    at step 25, twice (pegasus_large, memory=off, 24 GiB), and trained its epoch with them 0.21 GiB under
     the judged worst case (benchmarks/results/budget_batching_pegasus_large_24_seed1_c_memory_off_h100.json and
     ..._memory_off_expandable_h100.json)."""
     return (

@@ -27,9 +27,9 @@ def sample_lengths(feature: dict, task: str) -> tuple[int, int]:
     return (source, source) if task == "causal" else (source, len(feature["labels"]))
 
 
-# what one more micro-batch costs, in padded tokens: on an H200 a micro-batch of pegasus_large took as long as ~20k
-# padded tokens (a least-squares fit of seconds = a·micro-batches + b·padded tokens over four one-epoch runs at 24 and
-# 40 GiB, benchmarks/packing_cost_fit.py): kernel launches and small-batch inefficiency outweigh the padding
+# what one more micro-batch costs, in padded tokens: a micro-batch of pegasus_large took as long as ~20k padded tokens
+# (a least-squares fit of seconds = a·micro-batches + b·padded tokens over four one-epoch runs at 24 and 40 GiB,
+# benchmarks/results/packing_cost_fit.txt): kernel launches and small-batch inefficiency outweigh the padding
 # that splitting a step would save, so the packing pads rather than splits unless the padding is that large
 MICRO_BATCH_COST = 16384
 
@@ -212,8 +212,9 @@ def token_steps(
     The samples are shuffled with `seed` and packed, TOKEN_STEP_WINDOW steps' samples at a time, into micro-batches
     as full as the plan allows, each a random draw among samples of like capacity (`pack(shuffle=rng)`: on a set
     that fits in one window, length-sorted micro-batches would repeat every epoch, which trained to a higher eval
-    loss, benchmarks/README.md); the micro-batches are dealt into as many steps as fixed batches of `step_samples`
-    take (ceil(samples / step_samples)), balanced in label tokens (`balance`), and the steps are shuffled. So a step
+    loss, benchmarks/results/token_steps_convergence_cpu_sorted_window50.json); the micro-batches are dealt into as many
+    steps as fixed batches of `step_samples` take (ceil(samples / step_samples)), balanced in label tokens (`balance`),
+    and the steps are shuffled. So a step
     holds about the label tokens of `step_samples` average samples, and no micro-batch is cut short to end a step
     at a sample count; a micro-batch that alone holds more than a step's share (long labels) is a step of its own.
     `label`: the tokens a step counts (a causal LM's whole sequence). `tolerance` (trainer.pad_tolerance): draw each
@@ -251,9 +252,9 @@ def cheaper_step_count(
     """trainer.effective_batch=auto: `tokens` or `samples`, whichever epoch (its micro-batches) costs less
     (`epoch_cost`). Token steps fill micro-batches that steps of samples leave part empty where memory binds; where
     a micro-batch may hold a whole step (roomy budgets) they fill no better, and steps of samples, which
-    memory.group_by_length draws among like lengths, pad less (pegasus_large at 40 GiB on an H200: 1.22x the
-    tokens/s; at 24 GiB token steps were the faster: the H200 result files
-    benchmarks/results/budget_batching_pegasus_large_{40,24}_seed1_*h200.json)."""
+    memory.group_by_length draws among like lengths, pad less (pegasus_large at 40 GiB: 1.22x the
+    tokens/s; at 24 GiB token steps were the faster:
+    benchmarks/results/budget_batching_pegasus_large_*_seed1_*h200.json)."""
     return "samples" if epoch_cost(sample_micro, task) < epoch_cost(token_micro, task) else "tokens"
 
 

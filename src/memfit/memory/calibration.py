@@ -215,8 +215,8 @@ def _fit_windows(arch: Architecture, measured: list[dict[str, Any]], checkpointe
 def _fit_reserved(arch: Architecture, measured: list[dict[str, Any]]) -> tuple[float, float]:
     """Reserved as allocated × overhead + cached bytes per byte of logits, by least squares over the probes; where
     the logits term comes out negative (no sign of it) or cannot be told from allocated, the probes' mean
-    reserved/allocated alone. (T5 with checkpointing on an H200: the mean ratio alone missed reserved by up to 18%,
-    with the logits term 11%.)"""
+    reserved/allocated alone. (T5 with checkpointing: the mean ratio alone missed reserved by up to 18%, with the
+    logits term 11%.)"""
     rows = [
         {"allocated": float(m["allocated"]), "logits": float(logits_bytes(m["batch"], m["source"], m["label"], arch))}
         for m in measured
@@ -260,7 +260,7 @@ def calibrate(
     if arch.quadratic_attention and checkpointed and not splits_branches(arch, checkpointed):
         log.warning(
             "memory model: not calibrated: with gradient checkpointing, eager attention peaks in the largest layer's "
-            "recomputation, which memfit models for T5 only (measured on an H200); the preflight still measures "
+            "recomputation, which memfit models for T5 only; the preflight still measures "
             "the worst batch"
         )
         return None

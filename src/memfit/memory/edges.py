@@ -33,7 +33,7 @@ def fitted_edges(
     over cells of their samples / the rows allowed at the cell's upper edge (`rows_at`), by dynamic programming over
     the data's padded lengths; the fewest cells within CELL_SAVING of the least. Quantile edges leave the bulk of the
     data in wide cells sized at their top: replayed over the GPU benchmark's runs this packs 6-8% fewer micro-batches
-    (benchmarks/README.md, plan_fill_replay.py). None where the longest sample does not fit alone (the quantile grid
+    (benchmarks/plan_fill_replay.py). None where the longest sample does not fit alone (the quantile grid
     then names it)."""
     lengths = np.asarray(lengths, dtype=np.int64)
     rounded = -(-lengths // multiple) * multiple if multiple else lengths  # padded(), over the array

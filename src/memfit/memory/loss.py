@@ -27,10 +27,10 @@ IGNORE = -100
 # float32 log-probabilities held per chunk: label positions per chunk = CHUNK_BYTES / (4 × vocabulary), so that any
 # vocabulary holds about as much; smaller chunks hold less, for more, smaller head products
 CHUNK_BYTES = 64 * 2**20
-# but never fewer rows than this: below it the products are too small to keep the GPU busy and each chunk's fixed
-# work (the head weight's gradient added up, the kernels launched) dominates. H200, the loss alone
-# (benchmarks/loss_kernels_gpu.py): pegasus_large's head over 4,096 rows 25.5 ms at 174 rows a chunk, 12.8 at 512;
-# Qwen2.5's over 8,188 rows 52.4 ms at 110, 24.4 at 512 (the standard loss: 26.9 and 25.3)
+# but never fewer rows than this: below it the products are too small to keep the GPU busy and each chunk's fixed work
+# (the head weight's gradient added up, the kernels launched) dominates. The loss alone
+# (benchmarks/results/loss_kernels_h200.json): pegasus_large's head over 4,096 rows 25.5 ms at 174 rows a chunk, 12.8 at
+# 512; Qwen2.5's over 8,188 rows 52.4 ms at 110, 24.4 at 512 (the standard loss: 26.9 and 25.3)
 MIN_CHUNK_ROWS = 512
 
 

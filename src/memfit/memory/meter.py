@@ -72,9 +72,9 @@ class _Windows:
 
 # What a long run's allocator cache holds beyond what a fresh probe of the same batch leaves reserved: a few small
 # blocks and pages more, added step by step as the shapes vary. Training's peak reserved came at most 36 MiB past
-# the preflight's measured worst batch over 15 epochs on an H100 (pegasus_large and qwen2_5_1_5b LoRA, budgets 16-40
-# GiB, fixed and budget-shaped batches, expandable segments; benchmarks/README.md, "Session 40"), so the preflight
-# judges each measured peak with this much more.
+# the preflight's measured worst batch over 15 epochs (pegasus_large and qwen2_5_1_5b LoRA, budgets 16-40 GiB, fixed
+# and budget-shaped batches, expandable segments; benchmarks/results/budget_batching_*_rounds2_session40_h100.json), so
+# the preflight judges each measured peak with this much more.
 LONG_RUN_CACHE_GROWTH = 64 * 1024**2
 
 

@@ -30,8 +30,8 @@ class Architecture:
     # memory-efficient kernels (SDPA, flash) attention memory is linear in tokens and this term is left out.
     quadratic_attention: bool
     # whether the decoder's cross-attention keeps its scores too: with eager attention it does; T5's cross-attention
-    # has no learned bias and takes the memory-efficient kernel (measured on an H200: ~0.4 bytes per score per layer,
-    # against ~9 for its self-attention; benchmarks/README.md)
+    # has no learned bias and takes the memory-efficient kernel (measured: ~0.4 bytes per score per layer, against ~9
+    # for its self-attention; benchmarks/results/memory_model_run15_chunked.json)
     cross_attention_scores: bool = False
     # T5's relative position bias: computed once per sequence, not per batch row, as a (q, k, heads) lookup in the
     # weights' dtype from (q, k) int64 buckets, and kept by every layer of its stack
@@ -83,8 +83,9 @@ def describe_architecture(model: Any, task: str) -> Architecture:
 def shape_terms(batch: int, source: int, label: int, arch: Architecture) -> dict[str, float]:
     """The regressors of one padded batch: a constant, tokens per stack, and where attention keeps its scores, one
     term counting every kept score (b·heads·q·k per layer, summed over the kinds of attention that keep them). The
-    kinds share one coefficient: a score costs the same bytes in encoder and decoder self-attention (T5 on an H200:
-    8.7 and 8.9 fitted apart); T5's cross-attention, whose scores the kernel does not keep, has its own.
+    kinds share one coefficient: a score costs the same bytes in encoder and decoder self-attention (T5:
+    8.7 and 8.9 fitted apart, benchmarks/results/memory_model_run15_chunked.json); T5's cross-attention, whose scores
+    the kernel does not keep, has its own.
 
     Causal models see one sequence (`source` positions, labels are the same positions)."""
     terms = {"constant": 1.0}
@@ -104,8 +105,8 @@ def shape_terms(batch: int, source: int, label: int, arch: Architecture) -> dict
     if arch.relative_position_bias and not arch.cross_attention_scores:
         # T5's cross-attention under SDPA: each layer adds the padding mask to its zero bias (transformers'
         # create_position_bias_mask), a (b, heads, l, s) tensor the kernel keeps for its backward: a few bytes a
-        # score against self-attention's ~9, so a coefficient of its own (run 15's rows on an H200: ~3 bytes per
-        # score and layer; left to the other terms, they missed by up to 5%)
+        # score against self-attention's ~9, so a coefficient of its own (~3 bytes per score and layer; left to
+        # the other terms, they missed by up to 5%: benchmarks/results/memory_model_run15_chunked.json)
         terms["cross_attention_scores"] = float(heads * arch.decoder_layers * label * source)
     return terms
 
@@ -137,8 +138,9 @@ def _bias_bytes(arch: Architecture, source_bias: int, label_bias: int, cross: in
 def splits_branches(arch: Architecture, gradient_checkpointing: bool) -> bool:
     """Whether a step's peak is the largest of six windows rather than a sum of terms (WINDOW_TERMS): a seq2seq model
     under gradient checkpointing holds only checkpoints (and T5's position biases) between layers, so each window
-    peaks on its own transients (one layer's recomputation, or the logits), one at a time. T5 measured on an H200;
-    Pegasus with the full logits read as one sum under-predicted its few-label rows by up to 6.1% (run 17, H100),
+    peaks on its own transients (one layer's recomputation, or the logits), one at a time. Pegasus with the
+    full logits read as one sum under-predicted its few-label rows by up to 6.1%
+    (benchmarks/results/memory_model_run17_pegasus_ckpt_standard.json),
     the window of the forward's end that no probe's sum showed. Attention that keeps its scores without position
     biases (eager) under checkpointing is not modelled by windows."""
     return (
@@ -201,8 +203,8 @@ def convex_in_tokens(arch: Architecture, gradient_checkpointing: bool) -> bool:
     """Whether a step's peak is the larger of two lines in tokens rather than one (fit_convex_in_tokens): a causal LM
     under gradient checkpointing keeps only checkpoints between layers, and its probes' peaks grow faster past a
     point (the head's loss window, then one layer's recomputation, the slopes suggest; not measured window by
-    window). One line through both read qwen2_5_0_5b's rows between them up to 4.3% high (run 16,
-    benchmarks/README.md)."""
+    window). One line through both read qwen2_5_0_5b's rows between them up to 4.3% high
+    (benchmarks/results/memory_model_run16_chunked.json)."""
     return gradient_checkpointing and arch.task == "causal" and not arch.quadratic_attention
 
 

@@ -54,10 +54,11 @@ def hidden_gpus_problem(visible: str | None, driver_gpus: int, cuda_available: b
 
 
 def apply_allocator_env(memory: DictConfig) -> None:
-    """expandable_segments lowers fragmentation in long runs (budget-shaped batches OOMed without it: benchmarks/
-    README.md, session 38). The allocator reads PYTORCH_CUDA_ALLOC_CONF when CUDA starts; where CUDA has started in
-    this process already (an earlier job of a Hydra multirun without the knob, a notebook), the settings are handed
-    to the running allocator too, whose new segments expand from then on, so that the run has what its checks
+    """expandable_segments lowers fragmentation in long runs (budget-shaped batches OOMed without it:
+    benchmarks/results/budget_batching_pegasus_large_24_seed1_c_memory_off_h100.json). The allocator reads
+    PYTORCH_CUDA_ALLOC_CONF when CUDA starts; where CUDA has started in this process already (an earlier job of a Hydra
+    multirun without the knob, a notebook), the settings are handed to the running allocator too, whose new segments
+    expand from then on, so that the run has what its checks
     (config.validate.expandable_segments_on) assume."""
     if not memory.expandable_segments:
         return
@@ -95,11 +96,12 @@ def fall_back_to_fp32_on_slow_cpu(memory: DictConfig, device: str) -> list[str]:
 
 
 def resolve_loss(memory: DictConfig, task: str) -> str | None:
-    """memory.loss=auto → the loss the H200 measurements favour for this model family (benchmarks/README.md,
-    budget_batching_gpu.py session 30): chunked for a causal LM, whose head then runs over its labelled positions
-    only (qwen2_5_1_5b LoRA at 24 GiB, budget-shaped batches: 22.5-22.8k tokens/s against the standard loss's
-    13.5-15.5k, and the fused kernel's 21.1k); standard for a seq2seq model, whose positions are nearly all labels
-    (pegasus_large: chunked 5-7% slower there). Sets the knob and returns what it chose, or None where it was not
+    """memory.loss=auto → the loss the measurements favour for this model family
+    (benchmarks/results/budget_batching_qwen2_5_1_5b_24_seed1_standard_session30.json): chunked for a causal LM, whose
+    head then runs over its labelled positions only (qwen2_5_1_5b LoRA at 24 GiB, budget-shaped batches: 22.5-22.8k
+    tokens/s against the standard loss's 13.5-15.5k, and the fused kernel's 21.1k); standard for a seq2seq model, whose
+    positions are nearly all labels (pegasus_large: chunked 5-7% slower there). Sets the knob and returns what it chose,
+    or None where it was not
     auto."""
     if memory.loss != "auto":
         return None
@@ -110,9 +112,10 @@ def resolve_loss(memory: DictConfig, task: str) -> str | None:
 def resolve_batching(cfg: DictConfig, device: str) -> str | None:
     """trainer.batching=auto → budget on CUDA, where budget-shaped batches trained 1.0-4.9x the tokens/s of the fixed
     batch the worst case allows on every measured long-tail set (pegasus_large and qwen2_5_1_5b at 16, 24 and 40 GiB,
-    benchmarks/README.md, budget_batching_gpu.py); fixed on CPU (the plan's host-memory calibration costs more than it
-    saves on small CPU runs), where the run's settings rule the plan out, and on CUDA without expandable segments
-    (config.validate.expandable_segments_problem refuses budget there). Sets the knob and returns what it chose, or
+    benchmarks/results/budget_batching_*_session46_h200.json); fixed on CPU (the plan's host-memory calibration costs
+    more than it saves on small CPU runs), where the run's settings rule the plan out, and on CUDA without expandable
+    segments (config.validate.expandable_segments_problem refuses budget there). Sets the knob and returns what it
+    chose, or
     None where it was not auto."""
     from memfit.config.validate import budget_batching_contradictions, expandable_segments_on
 
@@ -147,10 +150,10 @@ OWN_CONTEXT_BYTES = GIB
 
 def shared_device_warning(reachable_bytes: int, limit_bytes: int, device: str) -> str | None:
     """Where other processes hold so much of the GPU that this one cannot reach the limit its peaks are judged
-    against (budget minus margin; `reachable_bytes`: the meter's, this process's cache and the device's free
-    memory): the preflight's probes then run out of memory below the budget, which reads as "does not fit" and
-    sizes batches smaller than the budget allows (two 70 GiB runs on one 80 GiB H100: a largest-batch search found
-    1 row where 32 fit alone, benchmarks/README.md "Session 50")."""
+    against (budget minus margin; `reachable_bytes`: the meter's, this process's cache and the device's free memory):
+    the preflight's probes then run out of memory below the budget, which reads as "does not fit" and sizes batches
+    smaller than the budget allows (two 70 GiB runs on one 80 GiB card: a largest-batch search found 1 row where 32 fit
+    alone, benchmarks/results/budget_batching_pegasus_large_70_seed1_sequential_search_session50_h100.json)."""
     if device != "cuda" or reachable_bytes + OWN_CONTEXT_BYTES >= limit_bytes:
         return None
     return (
@@ -250,8 +253,8 @@ def _sampling_kwargs(args_cls: type, group_by_length: bool) -> dict[str, Any]:
 
 def optimizer_name(optimizer: str, device: str) -> str:
     """Trainer's `optim` for memory.optimizer: AdamW is fused on CUDA (one kernel per step, no foreach temporaries:
-    a lower optimizer-step peak, e.g. 8.98 against 10.67 GiB for checkpointed pegasus_large at 8 × 1024 × 64 on an
-    H200, and faster), foreach or per-tensor elsewhere."""
+    a lower optimizer-step peak, e.g. 8.98 against 10.67 GiB for checkpointed pegasus_large at 8 × 1024 × 64,
+    benchmarks/results/step_variants_h200_call2.json, and faster), foreach or per-tensor elsewhere."""
     if optimizer == "adamw" and device == "cuda":
         return "adamw_torch_fused"
     return OPTIMIZER_NAMES[optimizer]
@@ -293,9 +296,9 @@ def training_arguments(cfg: DictConfig, device: str, output_dir: str, has_eval: 
         use_cpu=device == "cpu",
         dataloader_num_workers=t.dataloader_num_workers,
         # batches copied from pinned memory without waiting for the copy, so the host goes on launching kernels
-        # while the GPU runs (benchmarks/README.md, session 39). Trainer's NaN screen of each micro-batch's loss
-        # (a device read) stays: a micro-batch whose labels were all cut has a NaN mean, which it keeps out of the
-        # logged loss that NonFiniteLoss judges
+        # while the GPU runs (benchmarks/results/budget_batching_qwen2_5_1_5b_24_sync_free_session39_h100.json).
+        # Trainer's NaN screen of each micro-batch's loss (a device read) stays: a micro-batch whose labels were all cut
+        # has a NaN mean, which it keeps out of the logged loss that NonFiniteLoss judges
         accelerator_config={"non_blocking": device == "cuda"},
         report_to="none",  # memfit owns the MLflow run (memfit.tracking)
         remove_unused_columns=False,  # datasets hold only model inputs; peft wrappers hide forward's signature

@@ -69,10 +69,10 @@ def make_batch(shape: BatchShape, collator: Any, task: str, vocab_size: int, dev
 
     Its last input row is one token short wherever the collator pads it back to `shape`, so the batch carries a
     padding mask, as real batches of rows of unequal length do. Attention over a padding mask is another path than
-    over none (an explicit 4-D mask, and SDPA's kernels that take one), and it holds more memory: on an H200 the
-    padded probe measured 0.15-0.63 GiB more than one of equal rows (pegasus_large, qwen2_5_1_5b;
-    benchmarks/README.md). Where the collator would not pad the short row back (one row, no pad multiple), real
-    batches of that shape carry no padding either, and every row is full.
+    over none (an explicit 4-D mask, and SDPA's kernels that take one), and it holds more memory: the padded
+    probe measured 0.15-0.63 GiB more than one of equal rows (pegasus_large, qwen2_5_1_5b;
+    benchmarks/results/preflight_padding_mask.json). Where the collator would not pad the short row back (one row, no
+    pad multiple), real batches of that shape carry no padding either, and every row is full.
     """
     padded = _collate(shape, collator, task, vocab_size, short_last=True)
     if padded["input_ids"].shape[1] != shape.source:

@@ -43,12 +43,12 @@ def calibration_shapes(
     model's positions), `batch_scale` multiplies their batch; every length is a multiple of 8 (or of
     pad_to_multiple_of). Six probes for at most five terms: least squares with a probe to spare, and the last two
     reach `tokens` (the most a step holds), since probes at one or two sizes alone were read as a line and missed
-    larger shapes by up to 4% (benchmarks/README.md, run 15).
+    larger shapes by up to 4% (benchmarks/results/memory_model_run15_chunked.json).
     Under gradient checkpointing (`checkpointed`): a model fitted window by window whose attention keeps its scores
     (T5, memory.model.splits_branches) takes four shapes that vary each window's terms apart, other windowed models
     the six; a causal LM fitted as two lines in tokens (memory.model.convex_in_tokens) takes six token counts, so a
     line on each side of the kink has two of them wherever it lies (three counts placed qwen2_5_0_5b's kink, at
-    ~10.7k tokens, on the wrong side: +4.7%; benchmarks/README.md, run 17)."""
+    ~10.7k tokens, on the wrong side: +4.7%; benchmarks/results/memory_model_run17_causal_ckpt_chunked.json)."""
     step = max(8, multiple or 8)
 
     def length(share: float) -> int:

@@ -23,7 +23,8 @@ class DroppedCopies:
     """Input features, summed, of the dropped copies a LoRA model with peft's own dropout keeps beyond one per input.
     Adapters under one parent module with one input width are taken to read one input (q, k and v; gate and up);
     a few do not (an attention's o, a seq2seq cross-attention's q), so this is an estimate: qwen2_5_1_5b LoRA at
-    4 × 2048 in bf16, 2.63 GiB against the 2.94 GiB measured on an H200 (benchmarks/README.md, session 26)."""
+    4 × 2048 in bf16, 2.63 GiB against the 2.94 GiB measured
+    (benchmarks/results/step_variants_h200_session26_recompute.json)."""
 
     source_width: int  # a seq2seq encoder's adapters: their inputs are source-long
     target_width: int  # the rest: a decoder's (a causal model's every adapter, over its whole sequence)

@@ -48,8 +48,8 @@ def _log_audit(ctx: RunContext, audit_seconds: float) -> None:
 
 
 def _resolve_kernels(cfg: DictConfig, device: str) -> None:
-    """memory.loss and memory.layer_kernels: `auto` becomes what the H200 measurements favour for this model on this
-    device (logged); liger's layer kernels on a family liger has none for stop the run before anything is recorded."""
+    """memory.loss and memory.layer_kernels: `auto` becomes what the measurements favour for this model on this device
+    (logged); liger's layer kernels on a family liger has none for stop the run before anything is recorded."""
     from memfit.models import check_layer_kernels, model_type, resolve_layer_kernels
 
     if loss := resolve_loss(cfg.memory, cfg.model.task):

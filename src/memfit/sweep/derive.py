@@ -21,8 +21,9 @@ log = logging.getLogger("memfit.sweep")
 
 DERIVED = "quantiles"  # a params value: choices at the data's quantiles
 # trainer.batching's params value `auto`: both kinds of batches where trials train on a GPU, where budget-shaped ones
-# beat the fixed batch that the worst case allows at every budget measured (1.2-6x tokens/s, H200,
-# benchmarks/README.md); fixed on CPU, where host-memory budgets make a plan of probes for little gain
+# beat the fixed batch that the worst case allows at every budget measured (1.2-4.9x tokens/s,
+# benchmarks/results/budget_batching_*_session46_h200.json); fixed on CPU, where host-memory budgets make a plan of
+# probes for little gain
 BATCHING_AUTO = "auto"
 QUANTILES = (0.9, 0.99, 0.999, 1.0)
 RAW = {"memory.max_source_length": "source", "memory.max_label_length": "label"}

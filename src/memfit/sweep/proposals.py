@@ -14,15 +14,15 @@ from memfit.sweep.space import dominated_by, repeat_of
 
 # Known configurations the sampler may propose in a row before the sweeper queues one it has not measured. TPE with
 # few feasible trials keeps proposing where it has already been told "infeasible" (dominated, below the coverage
-# floor, predicted over budget): replayed over measured H200 tables at 16 GiB, 3 of 20 sweeps stopped that way after
-# one trial run, with feasible configurations never tried (benchmarks/README.md).
+# floor, predicted over budget): replayed over measured tables at 16 GiB, 3 of 20 sweeps stopped that way after
+# one trial run, with feasible configurations never tried (benchmarks/results/sweep_strategies_replay.json).
 EXPLORE_AFTER = 3
 EXPLORE_DRAWS = 200  # random draws looking for a configuration whose outcome is not known yet
 
 # Objectives for which a configuration that fills the budget is worth trying early (fill_budget): tokens/s grows with
-# the work a step does, and that work is what fills memory. In the H200 tables of benchmarks/README.md (pegasus_large
-# and qwen2.5-1.5B at 16, 24 and 40 GiB) the fitting configuration with the largest worst case was the fastest, or
-# within 0.5% of it, in all six.
+# the work a step does, and that work is what fills memory. In six measured tables (pegasus_large and qwen2.5-1.5B at
+# 16, 24 and 40 GiB) the fitting configuration with the largest worst case was the fastest, or within 0.5% of it
+# (benchmarks/results/sweep_strategies_replay_fill.json).
 FILLING_OBJECTIVES = ("throughput", "epoch_throughput")
 
 # what a trial's repeat does not copy: it has no MLflow run of its own, held no device, and the sampler proposed it

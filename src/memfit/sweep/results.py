@@ -18,9 +18,9 @@ from memfit.sweep.space import ACCUMULATION, BATCH, held_step
 
 log = logging.getLogger("memfit.sweep")
 
-# Near the limit, the worst case measured in separate processes varies: by up to ±0.2 GiB of a 23.5 GiB limit on an
-# H200 (benchmarks/README.md, qwen2.5-1.5B), by a few MB of host RSS on CPU. A best trial closer to its limit than this
-# share of it may be refused by the preflight of a later run from its preset.
+# Near the limit, the worst case measured in separate processes varies: by up to ±0.2 GiB of a 23.5 GiB limit on a
+# GPU (benchmarks/results/sweep_live_qwen2_5_1_5b_24_efficient.json), by a few MB of host RSS on CPU. A best trial
+# closer to its limit than this share of it may be refused by the preflight of a later run from its preset.
 NEAR_LIMIT_SHARE = 0.01
 
 

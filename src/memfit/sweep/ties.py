@@ -2,8 +2,9 @@
 keep more of the data.
 
 A timed segment of a few steps measures tokens/s only to within its steps' spread (standard deviation over mean:
-9-35% on an H200, benchmarks/README.md), and between runs of one sweep one configuration's rate moved by up to 20%,
-while the top configurations of a space are often closer than that: "the fastest" alone flipped from run to run.
+9-35%, benchmarks/results/sweep_ties_pegasus_large_24_seed2_steps10.json), and between runs of one sweep one
+configuration's rate moved by up to 20%, while the top configurations of a space are often closer than that: "the
+fastest" alone flipped from run to run.
 Trials within the band of the fastest are ties, and of those the one keeping the most label tokens, then source
 tokens, is picked (the fastest of them where they keep the same): one pick whichever of them the noise put first,
 and more of the data trained on where speed cannot tell them apart. Like the one-standard-error rule of model

@@ -174,9 +174,9 @@ class ProcessTrials:
         """The same trials, their processes seeing only GPU `device` (CUDA_VISIBLE_DEVICES). With `cores`, they run
         only on those (sched_setaffinity), with as many OpenMP threads (unless the user set OMP_NUM_THREADS).
 
-        Without `cores`, concurrent trials keep torch's default of one thread per core each: on a 2 x H200 host, two
+        Without `cores`, concurrent trials keep torch's default of one thread per core each: on a two-GPU host, two
         trials at once took 29.5 s with it and 32.7 s with half the threads each, 33.5 s pinned to halves
-        (benchmarks/README.md, multi_gpu_sweep.py contention); the model build, on the CPU, lost most."""
+        (benchmarks/results/multi_gpu_contention.json); the model build, on the CPU, lost most."""
         env = {**self.env, "CUDA_VISIBLE_DEVICES": device}
         if cores and "OMP_NUM_THREADS" not in env:
             env["OMP_NUM_THREADS"] = str(len(cores))

@@ -2,8 +2,8 @@
 
 Nothing else in memfit calls mlflow. Per-step metrics are buffered and written in one batch every few seconds:
 a store write per step, even on MLflow's background thread (which competes for the GIL), slowed a CPU-bound
-LoRA step on an H200 by ~10% (benchmarks/results/). `finish` flushes and always ends the run FINISHED or FAILED
-with a reason, never leaving it RUNNING.
+LoRA step by ~13% (benchmarks/results/slice_gpu_run1_async_mlflow.json). `finish` flushes and always ends the run
+FINISHED or FAILED with a reason, never leaving it RUNNING.
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ class MemoryLoggingCallback:
         """Tokens/s after the first logged window: the first step builds optimizer state and grows the allocator,
         which a short timed segment (a sweep trial's) would otherwise count as slowness. Later windows that met a
         new padded shape (`train/new_shapes`) stay in: leaving them out did not bring 5- or 10-step estimates
-        closer to a long run's throughput on the H200 (benchmarks/README.md, trial_throughput_gpu.py)."""
+        closer to a long run's throughput (benchmarks/results/trial_throughput_segment.json)."""
         steady = self.windows[1:]
         seconds = sum(w.seconds for w in steady)
         return sum(w.tokens for w in steady) / seconds if steady and seconds > 0 else None

@@ -1,7 +1,7 @@
 """A whole epoch's tokens/s, estimated from a short timed training segment and the epoch's batch plan.
 
-A sweep trial times 5-10 optimizer steps; on the H200 such a segment misjudged the epoch's throughput by 10-60%
-either way (benchmarks/README.md, trial_throughput_gpu.py). Two things make the steps unequal, and both are known
+A sweep trial times 5-10 optimizer steps; such a segment misjudged the epoch's throughput by 10-60% either way
+(benchmarks/results/trial_throughput_segment.json). Two things make the steps unequal, and both are known
 on CPU before training:
 - Trainer's length-grouped sampler cuts the data into megabatches, each sorted longest first, so a step's padded
   size depends on where in its megabatch it falls, and a segment samples only part of that cycle;
