@@ -100,3 +100,24 @@ def test_comments_name_the_result_file_behind_a_figure_never_a_session_run_or_ca
         for found in re.findall(r"\b[Ss]ession \d+|\b[Rr]un \d+\b|\bH[12]00\b|benchmarks/README", prose):
             problems.append(f"{path.relative_to(ROOT)}: {found!r}")
     assert not problems, "\n".join(problems)
+
+
+def test_the_contributing_guide_lists_every_module_and_no_other():
+    """docs/contributing.md's layout names each module of src/memfit as the tree holds it: one added, moved or
+    removed without the guide fails here."""
+    import re
+
+    guide = (ROOT / "docs" / "contributing.md").read_text()
+    block = guide.split("## Layout", 1)[1].split("```", 2)[1]
+    listed, package = set(), None  # None: outside src/memfit
+    for line in block.splitlines()[1:]:
+        if not line.startswith(" "):  # a root: src/memfit/ is the one listed module by module
+            package = "" if line.startswith("src/memfit/") else None
+        elif package is not None and re.match(r"^  [a-z_]+/", line):  # a package of src/memfit
+            package = line.split()[0]
+        elif package is not None and re.match(r"^  [a-z_]+\.py", line):  # top-level modules
+            package = ""
+        if package is not None:
+            listed |= {f"{package}{name}" for name in re.findall(r"\b([a-z_]+\.py)\b", line)}
+    modules = {str(path.relative_to(SRC)) for path in SRC.rglob("*.py") if path.name != "__init__.py"}
+    assert listed == modules, f"not in the guide: {sorted(modules - listed)}; not in src: {sorted(listed - modules)}"
