@@ -101,6 +101,7 @@ def fit_auto_lengths(ctx: RunContext, setup: TrainingSetup, probes: Any, calibra
             if cut
             else f"not even the shortest cut fits at batch {batch}; the preflight says the ways out",
         )
+        ctx.tracker.set_tags({"memfit.auto_lengths": f"source {full[0]}, labels {full[1]} (the model's limit)"})
         return False
     _, limit = budget_and_limit(ctx)
     log.warning(
