@@ -121,3 +121,24 @@ def test_the_contributing_guide_lists_every_module_and_no_other():
             listed |= {f"{package}{name}" for name in re.findall(r"\b([a-z_]+\.py)\b", line)}
     modules = {str(path.relative_to(SRC)) for path in SRC.rglob("*.py") if path.name != "__init__.py"}
     assert listed == modules, f"not in the guide: {sorted(modules - listed)}; not in src: {sorted(listed - modules)}"
+
+
+def test_no_two_modules_import_each_other_even_lazily():
+    """No circle among memfit's modules, counting imports inside functions too (a package's __init__, which only
+    re-exports, is left out): a module that needs another's name while that one needs it back is a layering bug."""
+    modules = {}
+    for path in SRC.rglob("*.py"):
+        if path.name != "__init__.py":
+            modules[".".join(path.relative_to(SRC.parent).with_suffix("").parts)] = path
+    imports: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("memfit"):
+                targets = {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+                imports[name] |= {target for target in targets if target in modules and target != name}
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        return any(n == goal or (n not in seen and not seen.add(n) and reaches(n, goal, seen)) for n in imports[start])
+
+    circles = sorted(f"{a} <-> {b}" for a in imports for b in imports[a] if a < b and reaches(b, a, set()))
+    assert not circles, circles

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from memfit.data.sources import DataError
+from memfit.data.error import DataError
 
 # data.chat_template=chatml: the ChatML layout Qwen2.5 uses, without its default system turn
 CHAT_TEMPLATES = {

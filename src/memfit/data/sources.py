@@ -16,9 +16,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-
-class DataError(ValueError):
-    """A problem with the user's data, phrased as one line naming the field and the fix."""
+from memfit.data.error import DataError
 
 
 def _aclsum_pairs(data: DictConfig, split: str) -> list[dict[str, str]]:

@@ -15,7 +15,8 @@ from omegaconf import DictConfig
 
 from memfit.config import effective_lengths
 from memfit.data.collate import LABEL_PAD
-from memfit.data.sources import DataError, load_pairs
+from memfit.data.error import DataError
+from memfit.data.sources import load_pairs
 
 log = logging.getLogger("memfit")
 
